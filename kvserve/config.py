@@ -1,0 +1,279 @@
+"""Frozen configuration records.
+
+Every config is a frozen dataclass validated in ``__post_init__``; a bad value raises
+``ValueError`` with a message naming the field and the limit. Values learned at run time (the
+number of KV blocks the memory budget buys) never go back into a config: they live in
+:class:`kvserve.kv.layout.KVCapacity`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+def normalize_dtype(name: str) -> str:
+    """Map ``bf16``/``torch.bfloat16``/``bfloat16`` … to one canonical name, or raise."""
+    key = name.lower().removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return _DTYPE_NAMES[key]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``kind`` is ``default``, ``linear`` or ``llama3``."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling {self.kind!r}; supported: default, linear, llama3")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face ``config.json``.
+
+    Invariant: ``num_attention_heads % num_key_value_heads == 0`` (MHA, GQA and MQA are the
+    cases ``==``, ``>`` and ``num_key_value_heads == 1``).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0 or null, got {self.sliding_window}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read both config forms: the Hub's (``rope_theta``, ``rope_scaling``, ``torch_dtype``)
+        and the one transformers 5 writes (``rope_parameters``, ``dtype``)."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as exc:
+            raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        scaling_src = cfg.get("rope_scaling") or rope_params or {}
+        rope_scaling = _parse_rope_scaling(scaling_src)
+        sliding = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
+            # Qwen configs carry an inert sliding_window unless use_sliding_window is true.
+            if not cfg.get("use_sliding_window", False):
+                sliding = None
+        if arch == "LlamaForCausalLM":
+            sliding = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(sliding) if sliding else None,
+            dtype=normalize_dtype(str(dtype)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """Load ``config.json`` from a checkpoint folder or a direct file path."""
+        p = Path(path)
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"no config.json at {cfg_file}; pass a Hugging Face checkpoint folder")
+        try:
+            data = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
+        return cls.from_hf_dict(data)
+
+
+def _parse_rope_scaling(src: dict[str, Any]) -> RopeScaling:
+    kind = src.get("rope_type") or src.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    return RopeScaling(
+        kind=kind,
+        factor=float(src.get("factor", 1.0)),
+        low_freq_factor=float(src.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(src.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=src.get("original_max_position_embeddings"),
+    )
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse ``"4GiB"``, ``"512MiB"``, ``"2GB"`` or a plain byte count into bytes (> 0)."""
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"cannot read memory size {value!r}; write e.g. '4GiB', '512MiB' or a byte count")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be > 0 bytes, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV pool is sized. Exactly one of ``kv_cache_memory`` (bytes) and
+    ``kv_cache_fraction`` (of free device memory; of available host memory on CPU) applies;
+    ``kv_cache_memory`` wins when both are set."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.3
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None
+    session_idle_timeout_s: float = 600.0
+    max_session_tokens: int | None = None
+    session_overflow: str = "error"  # or "drop_oldest": drop the oldest turns to fit
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.num_blocks_override is not None and self.num_blocks_override <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks_override}")
+        if self.session_idle_timeout_s <= 0:
+            raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        if self.max_session_tokens is not None and self.max_session_tokens <= 0:
+            raise ValueError(f"max_session_tokens must be > 0, got {self.max_session_tokens}")
+        if self.session_overflow not in ("error", "drop_oldest"):
+            raise ValueError(f"session_overflow must be 'error' or 'drop_oldest', got {self.session_overflow!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by decodes (one token each)
+    and prefill chunks; ``max_model_len`` caps prompt + generated tokens of one request.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`kvserve.engine.engine.LLMEngine` needs to start."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto":
+            normalize_dtype(self.dtype)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be > 0, got {self.num_threads}")

@@ -1,0 +1,231 @@
+"""The engine: schedule, run the model, update, emit outputs — one step at a time.
+
+``step()`` is the whole loop body::
+
+    plan  = scheduler.schedule()            # who runs, how many tokens, which blocks
+    sampled = runner.execute(plan)          # one forward over the packed batch, then sample
+    changed = scheduler.update(plan, sampled)   # advance, append tokens, token-level stops
+    return outputs.process(changed)         # detokenize, stop strings, group n samples
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.config import EngineConfig, normalize_dtype
+from kvserve.engine.memory import kv_capacity, pick_device, set_cpu_threads
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.sessions import Session
+from kvserve.model.loader import load_model, load_tokenizer
+from kvserve.request import Request, RequestOutput, RequestStatus
+from kvserve.runner.model_runner import ModelRunner
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("kvserve")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for logs, metrics and tests."""
+
+    num_running: int
+    num_waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached_free: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    sessions_active: int = 0
+    sessions_expired: int = 0
+    sessions_evicted: int = 0
+    blocks_pinned: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.num_threads)
+        dtype = "auto" if config.dtype == "auto" else normalize_dtype(config.dtype)
+        self.model, self.model_config = load_model(config.model, dtype=dtype, device=self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
+        self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
+                                                self.max_model_len, self.device)
+        log.info(self.capacity.summary())
+        self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 extra_key=(f"kv:{self.kv_dtype}",),
+                                 session_idle_timeout_s=config.cache.session_idle_timeout_s)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.model_config, self.capacity, self.kv_dtype,
+                                  self.device, seed=config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._eos = self._eos_token_ids()
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        return tuple(sorted(ids))
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one token")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    session_id: str | None = None) -> str:
+        """Queue a request (``n`` samples become ``n`` sibling sequences). Raises ValueError for
+        input that can never run; nothing is queued then.
+
+        With ``session_id`` the prompt is the *new* turn's tokens only: they are appended to the
+        session's history (previous prompts and replies, never re-tokenized), whose KV is reused."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.outputs.groups:
+            raise ValueError(f"request id {rid!r} is already in use")
+        num_new = len(ids)
+        if session_id is not None:
+            ids = self._session_prompt(session_id, ids, params)
+        self.scheduler.validate(len(ids), params.max_tokens)
+        if session_id is not None:
+            session = self.kv.begin_turn(session_id)
+            start = len(ids) - num_new
+            session.turn_starts = [t for t in session.turn_starts if t < start] + [start]
+        leader: Request | None = None
+        children: list[Request] = []
+        for i in range(params.n):
+            child = Request(f"{rid}" if params.n == 1 else f"{rid}#{i}", list(ids), params,
+                            eos_token_ids=self._eos, group_id=rid, sample_index=i,
+                            leader=leader, cache_salt=cache_salt, session_id=session_id)
+            leader = leader or child
+            children.append(child)
+        for child in children:
+            self.scheduler.add_request(child)
+        self.outputs.add_group(rid, text, ids, children)
+        return rid
+
+    def _session_prompt(self, session_id: str, new_ids: list[int], params: SamplingParams) -> list[int]:
+        """History + new turn, applying ``max_session_tokens`` (error, or drop the oldest turns)."""
+        if params.n != 1:
+            raise ValueError("n > 1 cannot continue a session; use n=1 with session_id")
+        session = self.kv.sessions.get(session_id)
+        if session is not None and session.busy:
+            raise ValueError(f"session {session_id!r} is already serving a turn; wait for it to finish")
+        history = list(session.token_ids) if session else []
+        cap = self.config.cache.max_session_tokens
+        need = len(history) + len(new_ids) + params.max_tokens
+        if cap is not None and need > cap:
+            if self.config.cache.session_overflow == "error" or session is None:
+                raise ValueError(
+                    f"session {session_id!r} would hold {need} tokens (history {len(history)} + new "
+                    f"{len(new_ids)} + max_tokens {params.max_tokens}) > max_session_tokens ({cap}); "
+                    f"close the session or enable session_overflow='drop_oldest'"
+                )
+            history = self._drop_oldest_turns(session, need - cap)
+        return history + new_ids
+
+    def _drop_oldest_turns(self, session: Session, excess: int) -> list[int]:
+        """Drop whole turns from the front until ``excess`` tokens are gone; the KV is released
+        (positions shift, so it must be recomputed)."""
+        boundaries = [t for t in session.turn_starts if t > 0] + [len(session.token_ids)]
+        cut = next((t for t in boundaries if t >= excess), None)
+        if cut is None:
+            raise ValueError(f"session {session.session_id!r}: the new turn alone exceeds max_session_tokens "
+                             f"({self.config.cache.max_session_tokens}); send a shorter turn or lower max_tokens")
+        self.kv.release_session(session)
+        session.token_ids = session.token_ids[cut:]
+        session.turn_starts = [t - cut for t in session.turn_starts if t >= cut]
+        return list(session.token_ids)
+
+    def list_sessions(self) -> list[Session]:
+        return self.kv.sessions.all()
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session and free its KV. Returns False if it did not exist."""
+        session = self.kv.sessions.get(session_id)
+        if session is not None and session.busy:
+            for group_id, group in list(self.outputs.groups.items()):
+                if any(c.session_id == session_id for c in group.children):
+                    self.abort_request(group_id)
+        return self.kv.close_session(session_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (or every sample of it) now; its blocks come back at once."""
+        for child in self.outputs.children(request_id):
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            self.runner.sampler.release(child.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return self.outputs.flush()  # aborts still need their final output
+        sampled = self.runner.execute(plan)
+        changed = self.scheduler.update(plan, {rid: r.token_id for rid, r in sampled.items()})
+        outputs = self.outputs.process(changed, sampled, self._stop_by_string)
+        for req in changed:
+            if req.status.finished:
+                self.runner.sampler.release(req.request_id)
+        return outputs
+
+    def _stop_by_string(self, req: Request, stop: str) -> None:
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+
+    def stats(self) -> EngineStats:
+        usage = self.kv.usage()
+        ss = self.kv.sessions.stats
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, usage.total,
+                           usage.used, usage.cached_free, self.scheduler.num_preemptions,
+                           self.kv.stats.queries, self.kv.stats.hits, len(self.kv.sessions),
+                           ss.expired, ss.evicted, self.kv.num_pinned_blocks())
+
+    def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """Step until every request finishes; returns the final output of each."""
+        done: dict[str, RequestOutput] = {}
+        start = time.monotonic()
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"requests still unfinished after {timeout_s} s")
+        return list(done.values())

@@ -1,0 +1,274 @@
+"""The narrow seam between the scheduler and the KV cache.
+
+The scheduler asks four things: which of a request's tokens already have KV
+(``get_computed_blocks``), to allocate slots for N new tokens (``allocate_slots``), to free a
+request (``free``), and how full the pool is (``usage``). Block tables are plain lists of block
+ids; no torch here.
+
+Where computed KV comes from, in order of preference:
+
+1. the request's **session** (its whole history, partial last block included, moved over as is);
+2. its **leader** (``n > 1``: a sibling shares every prompt block of the first sample and
+   recomputes only the last prompt token);
+3. the **prefix cache** (full blocks found by chained hash).
+
+A block about to be written while another holder shares it is **copied first** (copy-on-write):
+the copy is queued in ``pending_copies`` for the runner, so the other sharers keep their tokens.
+
+When the pool runs short, free blocks go first (never-cached, then cached-free in LRU order, by the
+pool), then idle resident sessions (LRU); only then does the scheduler preempt running requests.
+
+Invariant (``check()``): every reference a block holds belongs to exactly one block-table entry
+or one session block, so ``sum(ref counts) == sum(len(tables)) + sum(len(session blocks))``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.kv.block_pool import BlockPool, PoolUsage
+from kvserve.kv.hashing import BlockHash, hash_full_blocks
+from kvserve.kv.sessions import Session, SessionTable
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """KV already computed for a request's first ``num_tokens`` tokens, held in ``blocks``."""
+
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+    source: str = "none"  # "prefix", "session" or "fork"
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up (once per admission)
+    hits: int = 0     # of those, tokens whose KV was reused
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _Plan:
+    need_new: int
+    cow: list[int] = field(default_factory=list)  # indices into the new table to copy first
+    revived: int = 0
+
+    @property
+    def blocks_wanted(self) -> int:
+        return self.need_new + len(self.cow) + self.revived
+
+
+class KVCacheManager:
+    """Block tables over one :class:`BlockPool`, with prefix caching and sessions."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 extra_key: tuple[str, ...] = (), session_idle_timeout_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key = extra_key  # what else shapes every block's contents (e.g. the KV codec)
+        self.stats = PrefixCacheStats()
+        self.sessions = SessionTable(session_idle_timeout_s, clock)
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}
+
+    # -- queries -----------------------------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def usage(self) -> PoolUsage:
+        return self.pool.usage()
+
+    def num_pinned_blocks(self) -> int:
+        """Blocks held by sessions between turns."""
+        return sum(len(s.blocks) for s in self.sessions.all())
+
+    def tokens_held(self, num_computed: dict[str, int]) -> int:
+        """Tokens whose KV sits in used blocks (read-only; for the fragmentation metric).
+        ``num_computed`` maps a live request id to its computed tokens (a table missing from it
+        counts as full); a session holds ``num_computed``. A block shared by several holders
+        counts once, at its fullest, so the result is at most ``used blocks × block_size``."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        holders = [(t, num_computed.get(rid, len(t) * bs)) for rid, t in self._tables.items()]
+        holders += [(s.blocks, s.num_computed) for s in self.sessions.all()]
+        for table, n in holders:
+            for i, b in enumerate(table):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, n - i * bs)))
+        return sum(fill.values())
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extra(self, req: Request) -> tuple[str, ...]:
+        return self.extra_key + ((f"salt:{req.cache_salt}",) if req.cache_salt else ())
+
+    def _block_hashes(self, req: Request) -> list[BlockHash]:
+        hashes = hash_full_blocks(req.all_token_ids, self.block_size, self._extra(req),
+                                  self._hashes.get(req.request_id))
+        self._hashes[req.request_id] = hashes
+        return hashes
+
+    # -- the scheduler's calls ---------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> ComputedBlocks:
+        """The longest reusable KV prefix of ``req``. At least one token is always left to compute,
+        because the last position's logits are needed to sample."""
+        limit = req.num_tokens - 1
+        session = self.sessions.get(req.session_id) if req.session_id else None
+        if session is not None and session.resident and session.num_computed <= limit:
+            return ComputedBlocks(tuple(session.blocks), session.num_computed, "session")
+        lead_table = self._tables.get(req.leader.request_id) if req.leader else None
+        if lead_table and req.leader is not None and req.leader.num_computed_tokens >= req.num_prompt_tokens:
+            n = req.num_prompt_tokens - 1
+            return ComputedBlocks(tuple(lead_table[:self.blocks_needed(req.num_prompt_tokens)]), n, "fork")
+        if not self.enable_prefix_caching:
+            return ComputedBlocks()
+        hits: list[int] = []
+        for h in self._block_hashes(req)[:limit // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(tuple(hits), len(hits) * self.block_size, "prefix" if hits else "none")
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = ComputedBlocks()) -> bool:
+        """Grow ``req``'s block table to hold ``num_computed_tokens + computed + num_new_tokens``
+        tokens, copying shared blocks that this step writes. Releases idle sessions (LRU) if the
+        pool is short. Returns False, changing nothing else, when the blocks cannot be had."""
+        table = self._tables.get(req.request_id, []) + list(computed.blocks)
+        start = req.num_computed_tokens + computed.num_tokens
+        plan = self._plan(table, start, start + num_new_tokens, computed)
+        while plan.blocks_wanted > self.pool.num_free:
+            victims = [s for s in self.sessions.resident() if s.session_id != req.session_id]
+            if not victims:
+                return False
+            self.release_session(victims[0], evicted=True)
+            plan = self._plan(table, start, start + num_new_tokens, computed)
+        self._take(req, computed)
+        for i in plan.cow:
+            [fresh] = self.pool.allocate(1)
+            self.pending_copies.append((table[i], fresh))
+            self.pool.free([table[i]])
+            table[i] = fresh
+        if plan.need_new > 0:
+            table.extend(self.pool.allocate(plan.need_new))
+        self._tables[req.request_id] = table
+        return True
+
+    def _plan(self, table: list[int], start: int, end: int, computed: ComputedBlocks) -> _Plan:
+        touched = set(computed.blocks) if computed.source in ("prefix", "fork") else set()
+        plan = _Plan(need_new=self.blocks_needed(end) - len(table))
+        plan.revived = sum(1 for b in touched if self.pool.ref_count(b) == 0)
+        for i in range(start // self.block_size, min(len(table), self.blocks_needed(end))):
+            holders = self.pool.ref_count(table[i]) + (1 if table[i] in touched else 0)
+            if holders > 1:
+                plan.cow.append(i)
+        return plan
+
+    def _take(self, req: Request, computed: ComputedBlocks) -> None:
+        """Take the references of a hit: a session's blocks move over; others gain a reference."""
+        first_admission = req.request_id not in self._tables
+        if computed.source == "session":
+            session = self.sessions.get(req.session_id or "")
+            assert session is not None
+            session.blocks, session.num_computed = [], 0
+        else:
+            self.pool.touch(list(computed.blocks))
+        if first_admission:
+            self._num_cached[req.request_id] = len(computed.blocks) if computed.source == "prefix" else 0
+            if self.enable_prefix_caching:
+                self.stats.queries += req.num_tokens
+                self.stats.hits += computed.num_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def cache_blocks(self, req: Request) -> None:
+        """Make the request's newly completed full blocks findable (prompt and generated tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(req.request_id)
+        if not table:
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(table))
+        done = self._num_cached.get(req.request_id, 0)
+        if full <= done:
+            return
+        hashes = self._block_hashes(req)
+        for i in range(done, full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_cached[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        """A request leaves the running set. A finished turn of a session parks its blocks in the
+        session (pinned); otherwise every block is returned, tail first, so later blocks are
+        evicted before earlier ones."""
+        table = self._tables.pop(req.request_id, [])
+        self._num_cached.pop(req.request_id, None)
+        session = self.sessions.get(req.session_id) if req.session_id else None
+        if session is not None and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            session.blocks, session.num_computed, session.busy = table, req.num_computed_tokens, False
+            session.token_ids = req.all_token_ids
+            self.sessions.touch(session)
+        else:
+            self.pool.free(list(reversed(table)))
+            if session is not None and req.status.finished:
+                session.busy = False
+                self.sessions.touch(session)
+        if req.status.finished:
+            self._hashes.pop(req.request_id, None)
+
+    # -- sessions ----------------------------------------------------------------------------
+    def begin_turn(self, session_id: str) -> Session:
+        """Mark a session as serving a turn (creating it if new). One turn at a time."""
+        session = self.sessions.get_or_create(session_id)
+        if session.busy:
+            raise ValueError(f"session {session_id!r} is already serving a turn; wait for it to finish")
+        session.busy = True
+        self.sessions.touch(session)
+        return session
+
+    def release_session(self, session: Session, evicted: bool = False, expired: bool = False) -> None:
+        """Give a session's blocks back (its full blocks stay findable in the prefix cache)."""
+        self.pool.free(list(reversed(session.blocks)))
+        session.blocks, session.num_computed = [], 0
+        self.sessions.stats.evicted += evicted
+        self.sessions.stats.expired += expired
+
+    def expire_sessions(self) -> int:
+        """Release every idle session past its timeout. Returns how many."""
+        expired = self.sessions.expired()
+        for s in expired:
+            self.release_session(s, expired=True)
+        return len(expired)
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session; its blocks come back now (or when its running turn ends)."""
+        session = self.sessions.remove(session_id)
+        if session is None:
+            return False
+        self.release_session(session)
+        self.sessions.stats.closed += 1
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    # -- checking ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the pool's invariants and that references match tables and session blocks."""
+        self.pool.check()
+        held = sum(len(t) for t in self._tables.values()) + self.num_pinned_blocks()
+        refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))
+        assert held == refs, f"tables and sessions hold {held} references but the pool counts {refs}"

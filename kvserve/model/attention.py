@@ -1,0 +1,220 @@
+"""Paged attention: write new K/V by slot, read the context through block tables.
+
+KV storage for one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 = K, 1 = V). A token's *slot* is ``block_id * block_size + offset``; the runner hands
+the model one slot per scheduled token (``slot_mapping``) and one block table per sequence.
+
+A step packs every scheduled sequence's new tokens into one flat batch (no padding)::
+
+    tokens:  | seq0 new tokens | seq1 new tokens | ... |
+    query_start_loc = [0, q0, q0+q1, ...]            (B + 1 python ints)
+    seq_lens        = [ctx0, ctx1, ...]              context length *after* this step
+    seq i's queries are positions  ctx_i - q_i … ctx_i - 1  of its sequence
+
+Metadata is passed explicitly (no module-level globals), built by ``kvserve.runner.inputs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by all layers.
+
+    Invariants: ``len(query_start_loc) == len(seq_lens) + 1 == len(block_tables) + 1``;
+    ``query_start_loc[-1] == slot_mapping.numel()``; every query length ``q_i <= seq_lens[i]``;
+    ``block_tables[i]`` holds at least ``ceil(seq_lens[i] / block_size)`` block ids.
+    """
+
+    slot_mapping: torch.Tensor          # [T] int64, flat slot per new token
+    query_start_loc: list[int]          # [B + 1]
+    seq_lens: list[int]                 # [B]
+    block_tables: list[torch.Tensor]    # B tensors of int64 block ids
+    block_size: int
+    sliding_window: int | None = None
+    # Built by the first layer's paged_attention call, then shared by every layer of the step.
+    _plan: StepPlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def all_decode(self) -> bool:
+        """True when every sequence contributes exactly one query token."""
+        return self.query_start_loc[-1] == len(self.seq_lens)
+
+
+# Largest padded K+V gather (elements) the batched single-query path may make per layer; beyond
+# it those sequences take the per-sequence loop (whose cost is then dominated by real work).
+MAX_BATCHED_DECODE_ELEMENTS = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Sequences with exactly one query token, attended in one batched call.
+
+    ``rows``: their token rows in the flat batch ``[S]``; ``tables``: their block tables padded to
+    the longest ``[S, n_blocks]``; ``valid``: which of the first ``context_len`` gathered slots each
+    attends ``[S, context_len]`` (``None`` when all do: equal lengths and no window cut).
+    """
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    valid: torch.Tensor | None
+    context_len: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step's sequences are attended: ``batch`` (if any) and the rest one by one (``loop``)."""
+
+    batch: DecodeBatch | None
+    loop: list[int]
+
+
+def _plan_step(meta: AttentionMetadata, kv_cache: torch.Tensor, device: torch.device) -> StepPlan:
+    single = [i for i in range(meta.num_seqs) if meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1]
+    lens = [meta.seq_lens[i] for i in single]
+    bs = meta.block_size
+    n_blocks = -(-max(lens) // bs) if lens else 0
+    per_token = kv_cache.shape[3] * kv_cache.shape[4] * 2
+    if len(single) < 2 or len(single) * n_blocks * bs * per_token > MAX_BATCHED_DECODE_ELEMENTS:
+        return StepPlan(None, list(range(meta.num_seqs)))
+    tables = torch.zeros(len(single), n_blocks, dtype=torch.int64)
+    for row, i in enumerate(single):
+        t = meta.block_tables[i][:n_blocks]
+        tables[row, : t.numel()] = t
+    window = meta.sliding_window
+    valid = None
+    context_len = max(lens)
+    if min(lens) != max(lens) or (window is not None and window < context_len):
+        pos = torch.arange(n_blocks * bs)[None, :]
+        end = torch.tensor(lens)[:, None]
+        valid = pos < end
+        if window is not None:
+            valid &= pos >= end - window
+        context_len = n_blocks * bs
+    rows = torch.tensor([meta.query_start_loc[i] for i in single], dtype=torch.int64)
+    batch = DecodeBatch(rows.to(device), tables.to(device), None if valid is None else valid.to(device),
+                        context_len)
+    chosen = set(single)
+    return StepPlan(batch, [i for i in range(meta.num_seqs) if i not in chosen])
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ``[T, kv_heads, head_dim]`` at their slots."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read one sequence's keys and values at positions ``first … seq_len - 1``: each
+    ``[seq_len - first, kv_heads, head_dim]``."""
+    block_size = kv_cache.shape[2]
+    b0, n_blocks = first // block_size, -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[b0:n_blocks]]  # [2, n_blocks - b0, block_size, kvh, d]
+    off = first - b0 * block_size
+    kv = blocks.reshape(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
+    return kv[0], kv[1]
+
+
+def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask ``[q_len, kv_len]`` (True = attend) for queries at the last ``q_len`` positions;
+    ``None`` when every query sees every key."""
+    if q_len == 1 and (window is None or kv_len <= window):
+        return None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One sequence: q ``[q_len, H, D]``, keys/values ``[L, KVH, D]`` -> ``[q_len, H, D]``.
+
+    Grouped-query form: the ``g = H / KVH`` query heads sharing a KV head are stacked as
+    ``g * q_len`` query rows of that KV head (head ``h`` uses KV head ``h // g``, as in
+    transformers' ``repeat_kv``), so SDPA runs batched over KV heads without repeating K/V.
+    (``enable_gqa=True`` gives the same result but is ~50x slower on CPU in torch 2.13.)
+    """
+    q_len, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    g = heads // kv_heads
+    qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * q_len, d)
+    if mask is not None and g > 1:
+        mask = mask.repeat(g, 1)                                   # rows ordered (group, query)
+    o = F.scaled_dot_product_attention(
+        qg, keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale,
+    )                                                              # [KVH, g * q_len, D]
+    return o.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+
+
+def _attend_decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBatch, scale: float) -> torch.Tensor:
+    """S single-query sequences at once: q ``[S, H, D]`` -> ``[S, H, D]``.
+
+    Contexts are gathered padded to the longest; padded or out-of-window slots are zeroed (caches
+    may be ``torch.empty``, and 0 * NaN would poison the sum) and masked out.
+    """
+    s, heads, d = q.shape
+    kv_heads = kv_cache.shape[3]
+    g = heads // kv_heads
+    kv = kv_cache[:, plan.tables]                                  # [2, S, nb, bs, KVH, D] (a copy)
+    kv = kv.view(2, s, -1, kv_heads, d)[:, :, : plan.context_len]  # [2, S, L, KVH, D]
+    mask = None
+    if plan.valid is not None:
+        kv.masked_fill_(~plan.valid[None, :, :, None, None], 0)
+        mask = plan.valid[:, None, None, :]                        # [S, 1, 1, L]
+    keys = kv[0].transpose(1, 2).to(q.dtype)                       # [S, KVH, L, D]
+    values = kv[1].transpose(1, 2).to(q.dtype)
+    qg = q.view(s, kv_heads, g, d)                                 # [S, KVH, g, D]
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(s, heads, d)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention over the paged cache.
+
+    q: ``[T, heads, head_dim]``; k, v: ``[T, kv_heads, head_dim]`` (the new tokens, already
+    rotated). Writes k/v into ``kv_cache`` first, then each sequence attends over its whole
+    context read through its block table. Returns ``[T, heads, head_dim]``.
+
+    Sequences with one query token (decodes) are attended together in one batched call when
+    there are several (:class:`DecodePlan`); the others (prefill chunks) one by one. Both paths
+    compute the same attention (equal up to float rounding).
+    """
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    if meta._plan is None:
+        meta._plan = _plan_step(meta, kv_cache, q.device)
+    plan = meta._plan
+    out = torch.empty_like(q)
+    if plan.batch is not None:
+        out[plan.batch.rows] = _attend_decode_batch(q[plan.batch.rows], kv_cache, plan.batch, scale)
+    window = meta.sliding_window
+    for i in plan.loop:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        q_len, seq_len = end - start, meta.seq_lens[i]
+        # With a window, keys before the first query's window are never read: skip them.
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len, first)
+        mask = _causal_mask(q_len, seq_len - first, window, q.device)
+        out[start:end] = _attend(q[start:end], keys, values, mask, scale)
+    return out

@@ -1,0 +1,185 @@
+"""The Llama family in one file: Llama (incl. 3.1 rope scaling), Qwen2, Qwen3 and Mistral.
+
+All four are the same decoder; a config decides the differences:
+
+=====================  ==========================================================
+Llama                  plain; optional ``attention_bias`` on q/k/v/o
+Qwen2                  bias on q/k/v (always), none on o; usually tied embeddings
+Qwen3                  RMSNorm per head on q and k before rope; explicit head_dim
+Mistral                sliding-window attention on every layer
+=====================  ==========================================================
+
+MHA / GQA / MQA are ``num_key_value_heads`` == / < / 1 × ``num_attention_heads``.
+
+Tokens of every scheduled sequence arrive packed into one flat batch ``[T]`` (no padding, no
+batch dimension); attention reads each sequence's context through the paged KV cache
+(:mod:`kvserve.model.attention`). The checkpoint's q/k/v projections are fused into one
+``qkv_proj`` and gate/up into one ``gate_up_proj`` at load time (one matmul instead of three/two);
+:meth:`LlamaForCausalLM.packed_modules` tells the loader how to concatenate them.
+
+Numerics follow transformers: RMSNorm in float32 then cast back, rope cos/sin computed in float32
+and cast to the model dtype, residual adds in the model dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.rope import RotaryEmbedding, apply_rotary
+
+
+def qkv_has_bias(config: ModelConfig) -> bool:
+    """Qwen2 always has q/k/v bias; Llama and Qwen3 follow ``attention_bias``; Mistral never."""
+    if config.architecture == "Qwen2ForCausalLM":
+        return True
+    return config.attention_bias and config.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def o_has_bias(config: ModelConfig) -> bool:
+    """Only Llama and Qwen3 put a bias on the output projection, and only with ``attention_bias``."""
+    return config.attention_bias and config.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))``, the normalisation in float32, the product in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_has_bias(config))
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_has_bias(config))
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x ``[T, hidden]``; cos/sin ``[T, head_dim]`` -> ``[T, hidden]``. Writes this step's K/V."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)                                        # [T, (H + 2*KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)     # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)                                # [T, 2 * I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)      # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder over a paged KV cache.
+
+    ``forward`` takes the flat packed tokens of one engine step and returns their final hidden
+    states; ``compute_logits`` projects only the rows the sampler needs. Parameter names are the
+    checkpoint's, except the fused ``qkv_proj`` / ``gate_up_proj`` (see :meth:`packed_modules`);
+    with tied embeddings there is no ``lm_head`` and the embedding matrix projects the logits.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def packed_modules(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Fused module -> its checkpoint modules and their output rows, in concatenation order."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        return {
+            "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+            "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+        }
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions ``[T]`` int64; ``kv_caches[i]`` is layer i's
+        ``[2, num_blocks, block_size, kv_heads, head_dim]``. Returns hidden states ``[T, hidden]``.
+
+        The K/V of these tokens are written into the caches at ``meta.slot_mapping``. A model with a
+        sliding window (Mistral) applies it whatever the runner put in ``meta.sliding_window``.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        window = self.config.sliding_window
+        if window is not None and meta.sliding_window != window:
+            meta = dataclasses.replace(meta, sliding_window=window)
+        h = self.model.embed_tokens(input_ids)                        # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, h.dtype)          # [T, D] each
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,135 @@
+"""Bytes of KV per token and per sequence, for every attention shape the planner knows.
+
+    standard (MHA/GQA/MQA):  2 × layers × kv_heads × head_dim × bytes  (+ codec scales)
+    MLA (DeepSeek):          (kv_lora_rank + qk_rope_head_dim) × layers × bytes
+    sliding-window layers:   hold at most ``window`` tokens each
+    per-layer patterns:      each group of layers is counted with its own window (Gemma 2)
+
+The per-token figure of a model the engine runs is :func:`kvserve.kv.layout.model_kv_bytes_per_token`
+itself, so the planner's pool sizes equal the engine's. Under tensor parallelism each GPU holds
+``kv_heads / tp`` heads (one head, replicated, when tp > kv_heads); an MLA latent is replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.kv.layout import (
+    KV_DTYPES,
+    int4_scale_bytes,
+    kv_bytes_per_token,
+    mla_kv_bytes_per_token,
+    model_kv_bytes_per_token,
+)
+from kvserve.planner.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """``num_layers`` layers that share a window; ``bytes_per_token`` counts them all (one GPU)."""
+
+    num_layers: int
+    window: int | None
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class KVModel:
+    """KV cost of one model at one KV dtype and tensor-parallel degree, on one GPU.
+
+    Invariant: ``sum(g.bytes_per_token for g in groups) == bytes_per_token`` up to the one byte the
+    rounding of a fractional per-token cost may add.
+    """
+
+    kv_dtype: str
+    tp: int
+    kv_heads_per_gpu: int
+    bytes_per_token: int
+    groups: tuple[LayerGroup, ...]
+    formula: str
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """Bytes one sequence of ``tokens`` tokens holds, each windowed layer capped at its window."""
+        return sum(
+            g.bytes_per_token * (tokens if g.window is None else min(tokens, g.window)) for g in self.groups
+        )
+
+    def sequence_block_bytes(self, tokens: int, block_size: int) -> int:
+        """As :meth:`sequence_bytes`, with each group's tokens rounded up to whole blocks."""
+        total = 0
+        for g in self.groups:
+            held = tokens if g.window is None else min(tokens, g.window)
+            total += g.bytes_per_token * (-(-held // block_size)) * block_size
+        return total
+
+    @property
+    def bounded(self) -> bool:
+        """True when every layer is windowed: a sequence's KV stops growing at the largest window."""
+        return all(g.window is not None for g in self.groups)
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """KV heads one GPU holds under tensor parallelism of degree ``tp``."""
+    if spec.num_attention_heads % tp:
+        raise ValueError(f"--tp {tp} must divide num_attention_heads ({spec.num_attention_heads})")
+    if spec.mla is not None:
+        return 1
+    kv = spec.num_kv_heads
+    if kv % tp == 0:
+        return kv // tp
+    if tp % kv == 0:
+        return 1  # each GPU keeps a replica of one KV head
+    raise ValueError(f"--tp {tp} must divide num_key_value_heads ({kv}) or be a multiple of it")
+
+
+def _per_head_text(dtype: str, width: int) -> tuple[str, float]:
+    spec = KV_DTYPES[dtype]
+    scale = spec.scale_bytes_per_head + (int4_scale_bytes(width) if dtype == "int4" else 0.0)
+    elem = spec.element_bits / 8
+    elem_text = f"{elem:g} byte{'s' if elem != 1 else ''}"
+    if scale:
+        return f"({width} × {elem_text} + {scale:g} B scales)", width * elem + scale
+    return f"{width} × {elem_text}", width * elem
+
+
+def _group_bytes(spec: ModelSpec, layers: int, heads: int, kv_dtype: str) -> int:
+    if spec.mla is not None:
+        return mla_kv_bytes_per_token(layers, spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, kv_dtype)
+    return kv_bytes_per_token(layers, heads, spec.head_dim, kv_dtype)
+
+
+def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int | None = None) -> KVModel:
+    """KV cost of ``spec`` with canonical ``kv_dtype``; ``window_cap`` caps every layer's window
+    (a KV eviction window the operator chooses; lossy for a model trained without one)."""
+    heads = kv_heads_per_gpu(spec, tp)
+    windows = [w if window_cap is None else min(w or window_cap, window_cap) for w in spec.layer_windows]
+    counts: dict[int | None, int] = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    groups = tuple(
+        LayerGroup(n, w, _group_bytes(spec, n, heads, kv_dtype))
+        for w, n in sorted(counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
+    )
+    if spec.engine_config is not None and tp == 1:
+        per_token = model_kv_bytes_per_token(spec.engine_config, kv_dtype)  # the engine's own figure
+    else:
+        per_token = _group_bytes(spec, spec.num_layers, heads, kv_dtype)
+    if spec.mla is not None:
+        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        head_text, _ = _per_head_text(kv_dtype, width)
+        formula = (
+            f"({spec.mla.kv_lora_rank} kv_lora_rank + {spec.mla.qk_rope_head_dim} qk_rope_head_dim)"
+            f" × {spec.num_layers} layers × {head_text.removeprefix(f'{width} × ')}"
+            f" = {per_token:,} B/token (MLA latent, shared by all heads)"
+        )
+        if "scales" in head_text:
+            formula = f"{spec.num_layers} layers × {head_text} = {per_token:,} B/token (MLA latent)"
+    else:
+        head_text, _ = _per_head_text(kv_dtype, spec.head_dim)
+        formula = (
+            f"2 (K,V) × {spec.num_layers} layers × {heads} KV heads × {head_text} = {per_token:,} B/token"
+        )
+    for g in groups:
+        if g.window is not None:
+            formula += f"; {g.num_layers} layers windowed to {g.window:,} tokens"
+    return KVModel(kv_dtype, tp, heads, per_token, groups, formula)

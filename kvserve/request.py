@@ -1,0 +1,147 @@
+"""Request state as the scheduler sees it, and the outputs the engine hands back.
+
+A request never has a prefill/decode mode flag. It knows two numbers::
+
+    all_token_ids:   | prompt ............ | generated ... |
+                     0            num_computed_tokens     num_tokens
+                     |<--- KV in cache --->|<- to compute ->|
+
+Each step the scheduler hands it some of the tokens still to compute (a prefill chunk, or the
+one token of a decode). When ``num_computed_tokens`` reaches ``num_tokens`` the runner samples
+the next token. Preemption resets ``num_computed_tokens`` to 0 (recompute).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH_OF_STATUS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass
+class Request:
+    """One sequence being generated. ``n > 1`` requests are fanned out into ``n`` of these
+    sharing ``group_id``; every sibling but the first waits for the first to finish its
+    prefill, so they hit its prompt blocks in the prefix cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    group_id: str | None = None
+    sample_index: int = 0
+    leader: Request | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens this request may generate: its KV high-water mark."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_OF_STATUS.get(self.status)
+
+    @property
+    def waiting_for_leader(self) -> bool:
+        """A sibling sample waits until its leader's prompt is in the cache (or the leader ended)."""
+        lead = self.leader
+        return (lead is not None and not lead.status.finished
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (``index`` in ``0..n-1``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns and the engine streams: the prompt, and ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

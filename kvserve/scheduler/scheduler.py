@@ -1,0 +1,194 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+One rule serves prefill, chunked prefill, prefix hits and decode: each step hands every running
+request ``min(tokens it still has to compute, budget left)`` tokens, oldest first, then admits
+waiting requests while budget, ``max_num_seqs`` and free blocks allow. A long prompt therefore
+takes a chunk per step while the running decodes keep their one token each.
+
+When the pool cannot hold a running request's next tokens, the most recently admitted request is
+preempted: its blocks are freed, ``num_computed_tokens`` returns to 0, and it goes back to the
+front of the queue to be recomputed (its tokens so far are kept). Admission rejects requests that
+could never fit, so the oldest request can always proceed: no deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv.manager import ComputedBlocks, KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request, or raise ValueError if it could never fit."""
+        self.validate(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def validate(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens can never fit the KV pool of {capacity} tokens "
+                f"({self.kv.pool.num_blocks} blocks); raise kv_cache_memory or lower max_tokens"
+            )
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.kv.expire_sessions()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted_now = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, n, out):
+                budget -= n
+                i += 1
+            else:
+                preempted_now = True  # req itself was preempted; running shrank past i
+        if not preempted_now:
+            budget = self._admit(budget, out)
+        for req in self.running:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate ``n`` slots for ``req``, preempting the newest running requests as needed.
+        Returns False if ``req`` itself had to be preempted."""
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        out.chunks.append(ScheduledChunk.of(req, n, self.kv.block_table(req.request_id)))
+        return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.waiting_for_leader:
+                skipped.append(req)
+                continue
+            computed = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - computed.num_tokens, budget)
+            if not self.config.enable_chunked_prefill and n < req.num_tokens - computed.num_tokens:
+                self.waiting.appendleft(req)
+                break
+            if not self.kv.allocate_slots(req, n, computed):
+                self.waiting.appendleft(req)
+                break
+            req.num_computed_tokens = computed.num_tokens
+            req.num_cached_tokens = max(req.num_cached_tokens, computed.num_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk.of(req, n, self.kv.block_table(req.request_id)))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    # -- after the model ran -----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stop rules.
+        Returns the requests that received a token this step (finished ones included)."""
+        changed: list[Request] = []
+        now = self.clock()
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(token)
+            self._check_stop(req, token)
+            changed.append(req)
+        for req in changed:
+            if req.status.finished:
+                self._finish(req, now)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params = req.sampling_params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in params.stop_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> None:
+        """End a request from outside (abort, stop string); its blocks come back at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return
+        req.status, req.stop_reason = status, stop_reason
+        self._finish(req, self.clock())
+
+    def _finish(self, req: Request, now: float) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.finished_time = now
+        self.requests.pop(req.request_id, None)
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+__all__ = ["Scheduler", "ComputedBlocks"]

@@ -1,0 +1,132 @@
+"""Prometheus metrics, prefix ``kvserve:``, every series labelled ``model_name``.
+
+Two sources:
+  * the engine's state, read at scrape time from an :class:`EngineSnapshot` (KV blocks, tokens
+    held, fragmentation, queue lengths, prefix-cache and session counters);
+  * per-request events from the engine thread (:class:`EngineListener`): latency histograms,
+    token counters, KV memory × time.
+
+Each app gets its own registry, so several servers can live in one process (tests do that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+
+P = "kvserve:"
+
+# (name, help, value of a snapshot); gauges first, then engine-side cumulative counters
+GAUGES: list[tuple[str, str, str]] = [
+    ("kv_blocks_total", "KV blocks in the pool.", "blocks_total"),
+    ("kv_blocks_used", "KV blocks referenced by running requests or sessions.", "blocks_used"),
+    ("kv_blocks_cached_free", "Free KV blocks that still hold a findable prefix (evictable).",
+     "blocks_cached_free"),
+    ("kv_blocks_pinned", "KV blocks pinned by sessions between turns.", "blocks_pinned"),
+    ("kv_cache_usage_ratio", "Used KV blocks / total KV blocks.", "kv_usage_ratio"),
+    ("kv_tokens_held", "Tokens whose KV sits in used blocks (a shared block counts once).", "tokens_held"),
+    ("kv_slots_in_used_blocks", "Token slots in used blocks (used blocks x block size).",
+     "slots_in_used_blocks"),
+    ("kv_fragmentation_ratio", "1 - tokens held / slots in used blocks.", "fragmentation_ratio"),
+    ("running_seq_len_avg", "Average length (prompt + generated tokens) of running requests.", "seq_len_avg"),
+    ("running_seq_len_max", "Longest running request, in tokens.", "seq_len_max"),
+    ("num_requests_running", "Requests in the running batch.", "num_running"),
+    ("num_requests_waiting", "Requests waiting for admission (preempted ones included).", "num_waiting"),
+    ("sessions_active", "Sessions the engine knows (resident or released, not yet closed).",
+     "sessions_active"),
+    ("kv_bytes_per_token", "Bytes of KV one token costs across all layers.", "kv_bytes_per_token"),
+    ("kv_token_capacity", "Tokens the KV pool can hold (blocks x block size).", "token_capacity"),
+]
+ENGINE_COUNTERS: list[tuple[str, str, str]] = [
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+    ("prefix_cache_hits", "Prompt tokens whose KV was reused (prefix cache or session).", "prefix_hits"),
+    ("num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.", "num_preemptions"),
+    ("sessions_expired", "Sessions whose KV was released after the idle timeout.", "sessions_expired"),
+    ("sessions_evicted", "Sessions whose KV was released under memory pressure.", "sessions_evicted"),
+]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0)
+KV_GIB_S_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0, 1000.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        for name, doc, attr in GAUGES:
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(snap, attr)))
+            yield g
+        for name, doc, attr in ENGINE_COUNTERS:
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(getattr(snap, attr)))
+            yield c
+
+
+class ServerMetrics:
+    """The registry behind ``GET /metrics``; also an :class:`EngineListener`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc.
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        label = {"model_name": model_name}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(P + name, doc, ["model_name"], registry=self.registry).labels(**label)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a sample.",
+                        ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the end of the request.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        self.kv_gib_s = hist("request_kv_gib_seconds",
+                             "KV memory a finished request held, integrated over its life (GiB x s).",
+                             KV_GIB_S_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated (all samples).")
+        self._finished = Counter(P + "request_success", "Finished requests by finish reason.",
+                                 ["model_name", "finish_reason"], registry=self.registry)
+        self._model_name = model_name
+
+    def set_snapshot(self, snap: EngineSnapshot) -> None:
+        self._engine.snapshot = snap
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- EngineListener (engine thread) ------------------------------------------------------
+    def on_first_token(self, ttft_s: float, now: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_token_gaps(self, gaps_s: list[float], now: float) -> None:
+        for g in gaps_s:
+            self.itl.observe(g)
+
+    def on_finished(self, req: FinishedRequest, now: float) -> None:
+        self.e2e.observe(req.e2e_s)
+        if req.queue_s is not None:
+            self.queue.observe(req.queue_s)
+        self.kv_gib_s.observe(req.kv_gib_s)
+        self.prompt_tokens.inc(req.prompt_tokens)
+        self.generation_tokens.inc(req.generation_tokens)
+        self._finished.labels(model_name=self._model_name, finish_reason=str(req.finish_reason)).inc()

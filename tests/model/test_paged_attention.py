@@ -1,0 +1,95 @@
+"""``paged_attention`` against a dense reference (causal, optional window, ``repeat_kv`` GQA).
+
+Covers both paths: the batched one for single-query sequences (equal and unequal lengths, with
+and without a window, caches full of NaN garbage where nothing was written) and the per-sequence
+loop (prefill chunks, and decodes when the batched path is disabled).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model import attention
+from kvserve.model.attention import AttentionMetadata, paged_attention
+
+HEADS, KV_HEADS, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 64
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q ``[q_len, H, D]`` at the last positions of keys/values ``[L, KVH, D]``; dense math."""
+    q_len, kv_len = q.shape[0], keys.shape[0]
+    g = HEADS // KV_HEADS
+    k = keys.repeat_interleave(g, dim=1).transpose(0, 1)              # [H, L, D]
+    v = values.repeat_interleave(g, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * D ** -0.5        # [H, q_len, L]
+    qp = torch.arange(kv_len - q_len, kv_len)[:, None]
+    kp = torch.arange(kv_len)[None, :]
+    allowed = kp <= qp
+    if window is not None:
+        allowed &= kp > qp - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)                   # [q_len, H, D]
+
+
+def run_case(specs: list[tuple[int, int]], window: int | None, seed: int = 0) -> None:
+    """``specs``: (context before this step, new tokens) per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.full((2, NUM_BLOCKS, BS, KV_HEADS, D), float("nan"))
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, histories, q_rows, k_new, v_new, slots, qsl, lens = [], [], [], [], [], [], [0], []
+    for done, new in specs:
+        total = done + new
+        n = -(-total // BS)
+        table, free = torch.tensor(free[:n]), free[n:]
+        keys, values = torch.randn(total, KV_HEADS, D, generator=g), torch.randn(total, KV_HEADS, D, generator=g)
+        for p in range(done):  # context written by earlier steps
+            cache[0, table[p // BS], p % BS] = keys[p]
+            cache[1, table[p // BS], p % BS] = values[p]
+        tables.append(table)
+        histories.append((keys, values))
+        q_rows.append(torch.randn(new, HEADS, D, generator=g))
+        k_new.append(keys[done:])
+        v_new.append(values[done:])
+        slots += [int(table[p // BS]) * BS + p % BS for p in range(done, total)]
+        qsl.append(qsl[-1] + new)
+        lens.append(total)
+    meta = AttentionMetadata(torch.tensor(slots), qsl, lens, tables, BS, window)
+    out = paged_attention(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), cache, meta, D ** -0.5)
+    assert not out.isnan().any()
+    for i, (keys, values) in enumerate(histories):
+        ref = reference(q_rows[i], keys, values, window)
+        assert torch.allclose(out[qsl[i]:qsl[i + 1]], ref, atol=1e-5), f"sequence {i}"
+
+
+CASES = {
+    "decodes-equal": [(9, 1), (9, 1), (9, 1)],
+    "decodes-unequal": [(3, 1), (17, 1), (8, 1), (1, 1)],
+    "mixed": [(0, 7), (12, 1), (5, 6), (20, 1), (0, 1)],
+    "single-decode": [(13, 1)],
+}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_dense_reference(case: str, window: int | None) -> None:
+    run_case(CASES[case], window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_sequence_fallback_matches(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    monkeypatch.setattr(attention, "MAX_BATCHED_DECODE_ELEMENTS", 0)
+    run_case(CASES["decodes-unequal"], window)
+
+
+def test_plan_is_built_once_per_step() -> None:
+    """Layers share the step's plan: the first call builds it, later calls reuse it."""
+    cache = torch.zeros(2, NUM_BLOCKS, BS, KV_HEADS, D)
+    tables = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    meta = AttentionMetadata(torch.tensor([5, 9]), [0, 1, 2], [6, 2], tables, BS)
+    q, kv = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D)
+    paged_attention(q, kv, kv, cache, meta, 1.0)
+    plan = meta._plan
+    assert plan is not None and plan.batch is not None and plan.loop == []
+    paged_attention(q, kv, kv, cache, meta, 1.0)
+    assert meta._plan is plan

@@ -1,0 +1,197 @@
+"""``kvserve plan`` outputs: table, JSON, markdown, compare, list, plot, check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import plan_json
+
+
+def test_default_table_names_every_section(cli) -> None:  # type: ignore[no-untyped-def]
+    r = cli(
+        "--model",
+        "qwen2.5-7b",
+        "--hardware",
+        "a100-40gb",
+        "--scenario",
+        "short-chat",
+        "--price-per-hour",
+        "2",
+    )
+    assert r.code == 0, r.err
+    for title in (
+        "Model and KV cost",
+        "Memory ledger",
+        "KV per sequence and concurrency",
+        "Does it fit?",
+        "Decode lower bound",
+        "A typical request",
+        "Settings",
+    ):
+        assert title in r.out
+    assert "57,344 B/token" in r.out
+    assert "GiB" in r.out and "GB" in r.out
+    assert "prefix_caching" in r.out and "system prompt" in r.out  # a scenario reason is printed
+
+
+def test_json_exposes_engine_figures(cli, tiny_ckpt: Path) -> None:  # type: ignore[no-untyped-def]
+    d = plan_json(cli, "--model", str(tiny_ckpt), "--kv-cache-memory", "4GiB")
+    for key in (
+        "num_blocks",
+        "token_capacity",
+        "bytes_per_token",
+        "kv_formula",
+        "ledger",
+        "fit",
+        "kv_per_sequence",
+    ):
+        assert key in d
+    assert d["model"]["engine_supported"] is True
+    assert [r["tokens"] for r in d["kv_per_sequence"]] == [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072]
+
+
+def test_markdown_tables(cli) -> None:  # type: ignore[no-untyped-def]
+    r = cli("--model", "llama-3-8b", "--kv-cache-memory", "10GiB", "--markdown")
+    assert r.code == 0
+    assert "### Memory ledger" in r.out
+    assert "| context | KV GiB | KV GB |" in r.out
+    assert "| 8K | 1.00 | 1.07 |" in r.out
+
+
+def test_compare_kv_dtypes(cli) -> None:  # type: ignore[no-untyped-def]
+    r = cli("--model", "llama-3-8b", "--hardware", "h100", "--compare", "kv_dtype=bf16,int8,int4", "--json")
+    assert r.code == 0, r.err
+    d = json.loads(r.out)
+    assert d["compare"] == "kv_dtype"
+    caps = {v["value"]: v["plan"]["token_capacity"] for v in d["variants"]}
+    assert caps["bf16"] < caps["int8"] < caps["int4"]
+    assert 1.9 < caps["int8"] / caps["bf16"] < 2.0  # the scale bytes keep it under 2×
+    assert 3.4 < caps["int4"] / caps["bf16"] < 3.5
+    table = cli("--model", "llama-3-8b", "--hardware", "h100", "--compare", "kv-dtype=bf16,int8")
+    assert "kv-dtype=bf16" in table.out and "token capacity" in table.out
+
+
+def test_compare_shows_a_variant_that_does_not_fit(cli) -> None:  # type: ignore[no-untyped-def]
+    r = cli("--model", "llama-3.1-70b", "--hardware", "h200", "--compare", "tp=1,2", "--markdown")
+    assert r.code == 0, r.err
+    header = next(line for line in r.out.splitlines() if line.startswith("|   |"))
+    assert header == "|   | tp=1 | tp=2 |"
+    assert "does not fit: llama-3.1-70b cannot fit on H200" in r.out
+    d = json.loads(cli("--model", "llama-3.1-70b", "--hardware", "l40s", "--compare", "tp=1,8", "--json").out)
+    assert d["variants"][0]["error"] is not None and "cannot fit" in d["variants"][0]["error"]
+    assert d["variants"][1]["plan"]["num_blocks"] > 0
+
+
+def test_list(cli) -> None:  # type: ignore[no-untyped-def]
+    d = json.loads(cli("--list", "--json").out)
+    assert "deepseek-v3" in d["models"] and "h200-141gb" in d["hardware"] and "multi-turn" in d["scenarios"]
+
+
+def test_plot_writes_two_pngs(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    r = cli(
+        "--model",
+        "llama-3-8b",
+        "--kv-cache-memory",
+        "20GiB",
+        "--max-model-len",
+        "8K",
+        "--plot",
+        str(tmp_path),
+    )
+    assert r.code == 0, r.err
+    for name in ("kv_per_sequence.png", "max_concurrency.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "wrote" in r.err
+
+
+def test_check_exit_code(cli) -> None:  # type: ignore[no-untyped-def]
+    ok = cli(
+        "--model",
+        "llama-3-8b",
+        "--kv-cache-memory",
+        "40GiB",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "8K",
+        "--check",
+        "--json",
+    )
+    bad = cli(
+        "--model",
+        "llama-3-8b",
+        "--kv-cache-memory",
+        "4GiB",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "8K",
+        "--check",
+        "--json",
+    )
+    assert ok.code == 0 and bad.code == 1
+    assert json.loads(bad.out)["fit"]["shortfall_bytes"] == 4 * 2**30
+
+
+def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from kvserve.planner import hardware
+
+    measured = [20e9, 30e9]
+    monkeypatch.setattr(hardware, "measure_bandwidth", lambda: measured.pop(0))
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda: 1e11)
+    d = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
+    assert d["hardware"]["preset"] == "cpu" and d["hardware"]["bandwidth_bytes_s"] == 20e9
+    assert d["ledger"]["kv_budget_bytes"] > 0
+    assert plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")["hardware"]["bandwidth_bytes_s"] == 20e9
+    again = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu", "--remeasure")
+    assert again["hardware"]["bandwidth_bytes_s"] == 30e9 and measured == []
+
+
+def test_module_entry_point_runs_in_a_subprocess(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.planner",
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--kv-cache-memory",
+            "4GiB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_blocks"] == 4 * 2**30 // (131072 * 16)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvserve.planner", "plan", "--model", "llama-3-8c"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert bad.stderr.startswith("kvserve: error: unknown model preset 'llama-3-8c'; did you mean llama-3-8b")
+
+
+def test_registered_on_the_kvserve_cli() -> None:
+    pytest.importorskip("kvserve.engine.cli_generate")
+    pytest.importorskip("kvserve.model.make_model")
+    from typer.testing import CliRunner
+
+    from kvserve.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--model", "llama-3-8b", "--kv-cache-memory", "4GiB", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["token_capacity"] == 4 * 2**30 // (131072 * 16) * 16

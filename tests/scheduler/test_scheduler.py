@@ -1,0 +1,144 @@
+"""Scheduler: continuous batching, chunked prefill, preemption by recompute, admission limits.
+
+Every test checks the KV invariants after every step and that every block is back at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+
+from .fake_runner import FakeRunner, next_token
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+def run(prompts: list[list[int]], max_tokens: list[int], num_blocks: int, block_size: int = 4,
+        budget: int = 16, max_seqs: int = 8, prefix: bool = True, max_model_len: int = 256):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+    runner = FakeRunner(block_size)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0)) for i, (p, m) in
+            enumerate(zip(prompts, max_tokens))]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(10_000):
+        if not sched.has_unfinished:
+            break
+        plan = sched.schedule()
+        kv.check()
+        assert plan.num_batched_tokens <= budget
+        assert len({c.request.request_id for c in plan.chunks}) == len(plan.chunks) <= max_seqs
+        sched.update(plan, runner.execute(plan))
+        kv.check()
+    else:
+        pytest.fail("scheduler did not finish: livelock")
+    assert kv.usage().used == 0, "blocks leaked"
+    return reqs, sched, runner
+
+
+def test_batch_matches_each_request_alone():
+    prompts = [[1, 2, 3], list(range(20, 37)), [5] * 9, list(range(60, 61))]
+    max_tokens = [5, 8, 3, 10]
+    reqs, _, _ = run(prompts, max_tokens, num_blocks=64)
+    for r, p, m in zip(reqs, prompts, max_tokens):
+        assert r.output_token_ids == reference(p, m)
+        assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    short = [1, 2, 3]
+    long = list(range(100, 140))  # 40 tokens, budget 8 -> several chunks
+    reqs, _, runner = run([short, long], [20, 2], num_blocks=64, budget=8)
+    assert reqs[0].output_token_ids == reference(short, 20)
+    assert reqs[1].output_token_ids == reference(long, 2)
+    assert max(runner.batched_tokens) <= 8
+    # the short request decoded while the long prompt was still being prefilled
+    assert runner.steps < 2 + 40 // 7 + 20
+
+
+def test_small_pool_preempts_and_still_gives_identical_tokens():
+    prompts = [list(range(i * 10, i * 10 + 7)) for i in range(6)]
+    reqs, sched, _ = run(prompts, [12] * 6, num_blocks=10, block_size=4, budget=32)
+    assert sched.num_preemptions > 0
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == reference(p, 12)
+
+
+def test_preemption_with_prefix_caching_off():
+    prompts = [list(range(i * 10, i * 10 + 7)) for i in range(5)]
+    reqs, sched, _ = run(prompts, [10] * 5, num_blocks=8, prefix=False)
+    assert sched.num_preemptions > 0
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == reference(p, 10)
+
+
+def test_shared_prefix_hits_and_same_tokens():
+    system = list(range(200, 216))  # 4 full blocks
+    prompts = [system + [i] for i in range(4)]
+    reqs, sched, _ = run(prompts, [4] * 4, num_blocks=64, budget=64, max_seqs=1)
+    assert sched.kv.stats.hits == 3 * 16  # every later request hits the whole system prompt
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == reference(p, 4)
+
+
+def test_admission_rejects_what_can_never_fit():
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(SchedulerConfig(), kv, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(Request("a", list(range(30)), SamplingParams(max_tokens=5)))
+    with pytest.raises(ValueError, match="never fit the KV pool"):
+        sched.add_request(Request("b", list(range(10)), SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(Request("c", [], SamplingParams()))
+    assert not sched.has_unfinished and kv.usage().used == 0
+
+
+def test_finish_request_returns_blocks_while_running_or_waiting():
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1), kv, max_model_len=64)
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
+    b = Request("b", [6, 7], SamplingParams(max_tokens=8))
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule()
+    sched.update(plan, FakeRunner(4).execute(plan))
+    assert kv.usage().used > 0
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    kv.check()
+    assert kv.usage().used == 0 and not sched.has_unfinished
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(min_value=1, max_value=30), min_size=1, max_size=6),
+    max_tokens=st.integers(min_value=1, max_value=12),
+    num_blocks=st.integers(min_value=11, max_value=40),
+    budget=st.integers(min_value=1, max_value=48),
+    max_seqs=st.integers(min_value=1, max_value=6),
+    prefix=st.booleans(),
+    block_size=st.sampled_from([1, 2, 4]),
+)
+def test_any_workload_finishes_with_reference_tokens_and_no_leak(lens, max_tokens, num_blocks, budget,
+                                                                 max_seqs, prefix, block_size):
+    # Prompts share prefixes (so hits happen) and every request fits the pool on its own.
+    prompts = [[(j * 7) % 13 for j in range(n)] for n in lens]
+    if max(lens) + max_tokens > num_blocks * block_size:
+        num_blocks = -(-(max(lens) + max_tokens) // block_size)
+    reqs, _, _ = run(prompts, [max_tokens] * len(prompts), num_blocks=num_blocks, block_size=block_size,
+                     budget=budget, max_seqs=max_seqs, prefix=prefix)
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == reference(p, max_tokens)
