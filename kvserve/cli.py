@@ -21,14 +21,17 @@ app = typer.Typer(
 
 def _register_all() -> None:
     from kvserve import assets
+    from kvserve.bench import cli as bench_cli
     from kvserve.engine import cli_generate
     from kvserve.model import make_model
     from kvserve.planner import cli as planner_cli
 
     assets.register(app)
+    bench_cli.register(app)
     cli_generate.register(app)
     make_model.register(app)
     planner_cli.register(app)
+    __import__("kvserve.server.cli", fromlist=["register"]).register(app)  # kvserve serve
 
 
 _register_all()

@@ -148,15 +148,23 @@ _DONE = object()
 class RequestStream:
     """Async iterator over one request's outputs; each output carries the text so far."""
 
-    def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 on_done: Callable[[RequestOutput | None], None] | None = None) -> None:
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._on_done = on_done
         self.finished = False
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def done_threadsafe(self, final: RequestOutput | None) -> None:
+        """Run ``on_done(final)`` on the stream's loop (``None``: the engine failed), whether or not
+        anybody is reading the stream."""
+        if self._on_done is not None:
+            self._loop.call_soon_threadsafe(self._on_done, final)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -264,11 +272,13 @@ class AsyncLLMEngine:
             return f"{prefix}-{self._ids}"
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None,
-                          session_id: str | None = None, cache_salt: str | None = None) -> RequestStream:
+                          session_id: str | None = None, cache_salt: str | None = None,
+                          on_done: Callable[[RequestOutput | None], None] | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError
-        (bad input: nothing was queued) or :class:`EngineDeadError`."""
+        (bad input: nothing was queued) or :class:`EngineDeadError`. ``on_done(final output)`` runs
+        on this event loop when the request ends, aborted or not, read or not."""
         rid = request_id or self.new_request_id()
-        stream = RequestStream(self, rid, asyncio.get_running_loop())
+        stream = RequestStream(self, rid, asyncio.get_running_loop(), on_done)
         arrival = time.monotonic()
         n = params.n
 
@@ -369,6 +379,7 @@ class AsyncLLMEngine:
             live.stream.put_threadsafe(out)
             if out.finished:
                 del self._live[out.request_id]
+                live.stream.done_threadsafe(out)
                 self._report_finished(live, out, now)
 
     def _account_kv(self, dt: float) -> None:
@@ -419,6 +430,7 @@ class AsyncLLMEngine:
         err = EngineDeadError(f"the engine stopped: {exc!r}")
         for live in self._live.values():
             live.stream.put_threadsafe(err)
+            live.stream.done_threadsafe(None)
         self._live.clear()
         while True:
             try:

@@ -62,6 +62,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
+        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype!r} is not served by the engine yet; "
+                             f"use auto, bfloat16, float16 or float32")
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
                                                 self.max_model_len, self.device)
         log.info(self.capacity.summary())

@@ -53,12 +53,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # == x.float() * rsqrt(mean(x.float()**2) + eps), bit for bit, in one kernel.
+        normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -81,17 +81,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x ``[T, hidden]``; cos/sin ``[T, head_dim]`` -> ``[T, hidden]``. Writes this step's K/V."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)                                        # [T, (H + 2*KVH) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)                  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)               # [T, KVH, D]
+        t, h = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)           # [T, H + 2*KVH, D]
+        qk, v = qkv.split([h + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)                               # q and k heads rotated together
+        q, k = qk.split([h, self.num_kv_heads], dim=1)                # [T, H, D], [T, KVH, D]
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)     # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 

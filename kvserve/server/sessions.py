@@ -80,6 +80,13 @@ class ChatSessions:
         rec.sent.append({"role": "assistant", "content": reply.text})
         rec.expected_tokens = len(out.prompt_token_ids) + len(reply.token_ids)
 
+    def end_turn(self, session_id: str, final: RequestOutput | None) -> None:
+        """The engine ended the turn: keep it if it completed, forget it if it was aborted."""
+        if final is not None and final.outputs and final.outputs[0].finish_reason in ("stop", "length"):
+            self.finish_turn(session_id, final)
+        else:
+            self.abandon_turn(session_id)
+
     def abandon_turn(self, session_id: str) -> None:
         rec = self._records.get(session_id)
         self.release(session_id)

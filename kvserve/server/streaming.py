@@ -4,6 +4,7 @@ with stop-string hold-back, and logprobs in both of OpenAI's shapes."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from pydantic import BaseModel
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.request import CompletionOutput, RequestOutput
+from kvserve.server.errors import error_body
 from kvserve.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -19,6 +21,11 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(obj: BaseModel) -> bytes:
     return b"data: " + obj.model_dump_json(exclude_none=True).encode() + b"\n\n"
+
+
+def error_event(status: int, message: str) -> bytes:
+    """An error after the stream has started (the status line is already sent)."""
+    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n" + DONE
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from fnmatch import fnmatch
 import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 import typer

@@ -16,9 +16,9 @@ TEXTS = [f"<|im_start|>user\nWrite f{i}.<|im_end|>\n<|im_start|>assistant\ndef f
 
 
 def _cfg(**kw) -> tr.TrainConfig:
-    base = dict(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=300,
-                max_position_embeddings=64, seq_len=16, batch_size=2, steps=4, warmup_steps=2, eval_windows=2,
-                threads=1)
+    base = {"num_layers": 1, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,
+            "vocab_size": 300, "max_position_embeddings": 64, "seq_len": 16, "batch_size": 2, "steps": 4,
+            "warmup_steps": 2, "eval_windows": 2, "threads": 1}
     return tr.TrainConfig(**{**base, **kw})
 
 
