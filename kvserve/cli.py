@@ -25,13 +25,14 @@ def _register_all() -> None:
     from kvserve.engine import cli_generate
     from kvserve.model import make_model
     from kvserve.planner import cli as planner_cli
+    from kvserve.server import cli as server_cli
 
     assets.register(app)
     bench_cli.register(app)
     cli_generate.register(app)
     make_model.register(app)
     planner_cli.register(app)
-    __import__("kvserve.server.cli", fromlist=["register"]).register(app)  # kvserve serve
+    server_cli.register(app)
 
 
 _register_all()

@@ -126,9 +126,7 @@ class ModelConfig:
         rope_scaling = _parse_rope_scaling(scaling_src)
         sliding = cfg.get("sliding_window")
         if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
-            # Qwen configs carry an inert sliding_window unless use_sliding_window is true.
-            if not cfg.get("use_sliding_window", False):
-                sliding = None
+            sliding = _qwen_sliding_window(cfg, layers)
         if arch == "LlamaForCausalLM":
             sliding = None
         eos = cfg.get("eos_token_id")
@@ -168,6 +166,27 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
         return cls.from_hf_dict(data)
+
+
+def _qwen_sliding_window(cfg: dict[str, Any], layers: int) -> int | None:
+    """Qwen's window applies only with ``use_sliding_window``, and then only to the layers
+    ``layer_types`` marks (default: layers ``>= max_window_layers``, as transformers computes).
+    kvserve runs one kind of attention on every layer, so a mix is refused."""
+    window = cfg.get("sliding_window")
+    if not cfg.get("use_sliding_window", False) or not window:
+        return None
+    first_sliding = int(cfg.get("max_window_layers", 28))
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)
+    ]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
+        return int(window)
+    raise ValueError(
+        "config mixes sliding-window and full-attention layers (use_sliding_window with "
+        f"max_window_layers={first_sliding} of {layers} layers); kvserve needs one kind on every layer"
+    )
 
 
 def _parse_rope_scaling(src: dict[str, Any]) -> RopeScaling:

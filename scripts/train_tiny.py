@@ -1,6 +1,6 @@
 """Train and ship the embedded tiny chat model (see kvserve/tiny/train.py).
 
-    .venv/bin/python scripts/train_tiny.py --minutes 38 --log /tmp/train_tiny.log
+    .venv/bin/python scripts/train_tiny.py --minutes 48 --log /tmp/train_tiny.log
     .venv/bin/python scripts/train_tiny.py --steps 400           # exact, reproducible length
 """
 
@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget for the training steps")
     p.add_argument("--steps", type=int, default=None, help="exact number of steps (overrides --minutes)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,7 @@ def default_model_path() -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"the default model {DEFAULT_MODEL!r} is not installed at {path}; "
-            "rebuild it with: python scripts/train_tiny.py --minutes 38"
+            "rebuild it with: python scripts/train_tiny.py --minutes 48"
         )
     return path
 

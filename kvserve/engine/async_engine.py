@@ -347,7 +347,7 @@ class AsyncLLMEngine:
                     if not self._wake.wait(self.idle_tick_s):
                         self._step()  # idle tick: expires idle sessions, flushes aborts
                     self._last_step_end = time.monotonic()
-        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+        except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine thread failed")
             self.error = exc
             self._fail_all(exc)
@@ -376,11 +376,12 @@ class AsyncLLMEngine:
             if live is None:
                 continue
             self._observe(live, out, now)
+            if out.finished:  # metrics first: a client that got its answer may scrape at once
+                del self._live[out.request_id]
+                self._report_finished(live, out, now)
             live.stream.put_threadsafe(out)
             if out.finished:
-                del self._live[out.request_id]
                 live.stream.done_threadsafe(out)
-                self._report_finished(live, out, now)
 
     def _account_kv(self, dt: float) -> None:
         """Charge each running request for the blocks it held during the last step."""

@@ -31,13 +31,24 @@ class KVDtype:
 
 # int4 (KIVI-style): values carry an fp16 scale + zero per token per head (4 bytes); keys carry
 # an fp16 scale + zero per channel over a group of G tokens (4 × head_dim / G bytes per token).
-# With the default group of 32 and head_dim 64…128 that is 8…16 bytes; we count the key and value
-# overheads together, halved per tensor, as an average per head. ``int4_scale_bytes`` computes it.
-def int4_scale_bytes(head_dim: int, group_size: int = 32) -> float:
+# ``int4_scale_bytes`` is the average of the two sides per tensor. The engine's group is
+# ``int4_group_size(block_size)`` (a group never straddles a block), 32 for blocks of 32 or more.
+DEFAULT_INT4_GROUP = 32
+
+
+def int4_scale_bytes(head_dim: int, group_size: int = DEFAULT_INT4_GROUP) -> float:
     """Average scale bytes per token per KV head for K and V under the KIVI-style int4 codec."""
     value_side = 4.0
     key_side = 4.0 * head_dim / group_size
     return (value_side + key_side) / 2
+
+
+def int4_group_size(block_size: int, requested: int | None = None) -> int:
+    """int4's key group: ``requested``, else ``min(32, block_size)``. It must divide the block."""
+    group = requested if requested is not None else min(DEFAULT_INT4_GROUP, block_size)
+    if group <= 0 or block_size % group:
+        raise ValueError(f"int4 key group size {group} must be > 0 and divide block_size {block_size}")
+    return group
 
 
 KV_DTYPES: dict[str, KVDtype] = {
@@ -48,31 +59,89 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int8": KVDtype("int8", 8, 4.0),  # symmetric, one fp32 scale per token per head
     "int4": KVDtype("int4", 4, 0.0),  # scales depend on head_dim: see int4_scale_bytes
 }
+FLOAT_KV_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
             "float": "float32", "e4m3": "fp8", "fp8_e4m3": "fp8"}
 
 
-def resolve_kv_dtype(name: str, model_dtype: str = "bfloat16") -> str:
-    """Canonical KV dtype name; ``auto`` follows the model's dtype. Unknown names list the valid ones."""
-    key = name.lower()
+def _resolve_one(name: str, model_dtype: str, whole: str) -> str:
+    key = name.strip().lower()
     if key == "auto":
         key = model_dtype
     key = _ALIASES.get(key, key)
     if key not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {name!r}; valid: auto, {', '.join(sorted(KV_DTYPES))}")
+        raise ValueError(f"unknown KV dtype {whole!r}; valid: auto, {', '.join(sorted(KV_DTYPES))} "
+                         f"(or 'k:<dtype>,v:<dtype>' for different key and value codecs)")
     return key
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bfloat16") -> int:
+def resolve_kv_dtype(name: str, model_dtype: str = "bfloat16") -> str:
+    """Canonical KV dtype name; ``auto`` follows the model's dtype. Unknown names list the valid ones.
+
+    Keys and values may differ: ``"k:int8,v:int4"`` resolves to ``"k:int8,v:int4"`` (and
+    ``"k:int8,v:int8"`` to ``"int8"``), so equal storage always has one name."""
+    text = name.strip().lower()
+    if ":" not in text:
+        return _resolve_one(text, model_dtype, name)
+    sides: dict[str, str] = {}
+    for part in text.split(","):
+        side, sep, value = part.partition(":")
+        side = side.strip()
+        if not sep or side not in ("k", "v") or side in sides:
+            raise ValueError(f"cannot read KV dtype {name!r}; write one dtype ('int8') or both sides "
+                             f"once each ('k:int8,v:int4')")
+        sides[side] = _resolve_one(value, model_dtype, name)
+    if set(sides) != {"k", "v"}:
+        raise ValueError(f"KV dtype {name!r} must name both sides: 'k:<dtype>,v:<dtype>'")
+    return sides["k"] if sides["k"] == sides["v"] else f"k:{sides['k']},v:{sides['v']}"
+
+
+def split_kv_dtype(kv_dtype: str) -> tuple[str, str]:
+    """Canonical name -> (key dtype, value dtype)."""
+    if kv_dtype.startswith("k:"):
+        k, v = kv_dtype.split(",")
+        return k.removeprefix("k:"), v.removeprefix("v:")
+    return kv_dtype, kv_dtype
+
+
+def _side_bytes_per_head(name: str, side: str, head_dim: int, group_size: int) -> float:
+    """Bytes per token per KV head of one side (K or V) under codec ``name``."""
+    spec = KV_DTYPES[name]
+    data = head_dim * spec.element_bits / 8
+    if name != "int4":
+        return data + spec.scale_bytes_per_head
+    return data + (4.0 * head_dim / group_size if side == "k" else 4.0)
+
+
+def side_block_bytes(name: str, side: str, block_size: int, kv_heads: int, head_dim: int,
+                     group_size: int | None = None) -> int:
+    """Exact bytes one block of one side costs in one layer: the codec's fields
+    (:mod:`kvserve.kv.quant`), padded to a multiple of 4 bytes."""
+    group = int4_group_size(block_size, group_size)
+    total = block_size * kv_heads * _side_bytes_per_head(name, side, head_dim, group)
+    return -(-int(total) // 4) * 4
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int,
+                   group_size: int | None = None) -> int:
+    """Exact bytes one block (``block_size`` tokens, K and V, all layers) costs, padded to a
+    multiple of ``block_size`` so that bytes per token is a whole number."""
+    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
+    per_layer = (side_block_bytes(k, "k", block_size, num_kv_heads, head_dim, group_size)
+                 + side_block_bytes(v, "v", block_size, num_kv_heads, head_dim, group_size))
+    return -(-(num_layers * per_layer) // block_size) * block_size
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bfloat16",
+                       group_size: int = DEFAULT_INT4_GROUP) -> int:
     """Bytes of KV cache one token holds across all layers: 2 × layers × kv_heads × head_dim × bytes
-    (plus codec scales). Rounded up to whole bytes."""
+    (plus codec scales). Rounded up to whole bytes. ``group_size`` is int4's key group; the
+    engine's exact figure for a block size is :func:`kv_block_bytes` ``/ block_size``."""
     if min(num_layers, num_kv_heads, head_dim) <= 0:
         raise ValueError("layers, kv_heads and head_dim must all be > 0")
-    spec = KV_DTYPES[resolve_kv_dtype(kv_dtype)]
-    per_head = spec.bytes_per_head(head_dim)
-    if spec.name == "int4":
-        per_head += int4_scale_bytes(head_dim)
-    total = 2 * num_layers * num_kv_heads * per_head
+    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
+    per_head = _side_bytes_per_head(k, "k", head_dim, group_size) + _side_bytes_per_head(v, "v", head_dim, group_size)
+    total = num_layers * num_kv_heads * per_head
     return int(-(-total // 1))
 
 
@@ -100,7 +169,10 @@ def mla_kv_bytes_per_token(
 class KVCapacity:
     """What a memory budget buys: learned at start-up, never written back into a config.
 
-    Invariant: ``num_blocks * block_size * bytes_per_token <= budget_bytes``.
+    Invariant: ``allocated_bytes <= budget_bytes``, where ``allocated_bytes`` is the blocks
+    (``num_blocks * block_size * bytes_per_token``) plus the full-precision window that lossy KV
+    codecs keep (``window_blocks * window_block_bytes``; 0 for float KV). It equals the byte size
+    of the storage tensors.
     """
 
     num_blocks: int
@@ -108,14 +180,20 @@ class KVCapacity:
     bytes_per_token: int
     budget_bytes: int
     max_model_len: int
+    window_blocks: int = 0
+    window_block_bytes: int = 0
 
     @property
     def token_capacity(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
+    def window_bytes(self) -> int:
+        return self.window_blocks * self.window_block_bytes
+
+    @property
     def allocated_bytes(self) -> int:
-        return self.token_capacity * self.bytes_per_token
+        return self.token_capacity * self.bytes_per_token + self.window_bytes
 
     @property
     def blocks_per_max_len_seq(self) -> int:
@@ -128,30 +206,83 @@ class KVCapacity:
 
     def summary(self) -> str:
         gib = self.allocated_bytes / 2**30
+        window = ""
+        if self.window_blocks:
+            window = (f" (incl. a full-precision window of {self.window_blocks} blocks, "
+                      f"{self.window_bytes / 2**20:.1f} MiB)")
         return (
             f"KV cache: {self.num_blocks} blocks × {self.block_size} tokens = {self.token_capacity} tokens, "
-            f"{self.bytes_per_token} bytes/token, {gib:.3f} GiB; max concurrency at "
+            f"{self.bytes_per_token} bytes/token, {gib:.3f} GiB{window}; max concurrency at "
             f"max_model_len={self.max_model_len}: {self.max_concurrency_at_max_len:.2f}"
         )
 
 
-def capacity_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int) -> KVCapacity:
-    """The number of whole blocks a budget buys. Raises if it buys none."""
+def capacity_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int,
+                        window_blocks: int = 0, window_block_bytes: int = 0) -> KVCapacity:
+    """The number of whole blocks a budget buys after the full-precision window (if any) is set
+    aside. Raises if it buys none."""
     if budget_bytes <= 0:
         raise ValueError(f"KV budget must be > 0 bytes, got {budget_bytes}")
     block_bytes = bytes_per_token * block_size
-    num_blocks = budget_bytes // block_bytes
+    window = window_blocks * window_block_bytes
+    num_blocks = (budget_bytes - window) // block_bytes
+    if window and num_blocks <= 0:
+        raise ValueError(
+            f"KV budget of {budget_bytes} bytes leaves no room for blocks after the full-precision "
+            f"window of {window_blocks} blocks ({window} bytes); raise kv_cache_memory or lower "
+            f"kv_quant_min_tokens / max_num_seqs"
+        )
     if num_blocks <= 0:
         raise ValueError(
             f"KV budget of {budget_bytes} bytes is smaller than one block ({block_bytes} bytes = "
             f"{block_size} tokens × {bytes_per_token} bytes/token); raise kv_cache_memory"
         )
-    return KVCapacity(num_blocks, block_size, bytes_per_token, budget_bytes, max_model_len)
+    return KVCapacity(num_blocks, block_size, bytes_per_token, budget_bytes, max_model_len,
+                      window_blocks, window_block_bytes if window_blocks else 0)
 
 
-def model_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "auto") -> int:
-    """:func:`kv_bytes_per_token` for a model config; ``auto`` follows the model's dtype."""
-    return kv_bytes_per_token(
-        model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
-        resolve_kv_dtype(kv_dtype, model.dtype),
-    )
+def model_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "auto", block_size: int | None = None,
+                             group_size: int | None = None) -> int:
+    """:func:`kv_bytes_per_token` for a model config; ``auto`` follows the model's dtype.
+
+    With ``block_size`` the figure is the engine's exact one, :func:`kv_block_bytes` ``/ block_size``
+    (int4's key group is then ``int4_group_size(block_size, group_size)``); without, int4 assumes
+    groups of 32 (the same figure whenever the block holds a whole number of 32-token groups)."""
+    name = resolve_kv_dtype(kv_dtype, model.dtype)
+    if block_size is None:
+        return kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, name,
+                                  group_size or DEFAULT_INT4_GROUP)
+    block = kv_block_bytes(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, name,
+                           block_size, group_size)
+    return block // block_size
+
+
+# -- the full-precision window of lossy codecs ---------------------------------------------------
+#
+# A lossy pool keeps some blocks in the model dtype too ("shadows", see kvserve.kv.storage):
+# every block of a sequence shorter than ``kv_quant_min_tokens`` (it reads full precision until it
+# crosses the threshold), and, under int4, the block holding a sequence's unfinished key group and
+# its first "sink" tokens. The area is sized so that every running sequence can have all of them:
+#
+#     window blocks = max_num_seqs × (⌈min_tokens / block_size⌉ + 3 if int4 else ⌈min_tokens / block_size⌉)
+#
+# (3 = the unfinished group's block, the previous block while it is finished, and the sink block).
+
+def needs_tail_window(kv_dtype: str) -> bool:
+    """True when the codec keeps each sequence's unfinished key group and sinks in full precision."""
+    return "int4" in split_kv_dtype(resolve_kv_dtype(kv_dtype))
+
+
+def window_blocks(kv_dtype: str, block_size: int, max_num_seqs: int, min_tokens: int) -> int:
+    """Blocks of the full-precision window for a pool (0 for float KV). See the formula above."""
+    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
+    if k in FLOAT_KV_DTYPES and v in FLOAT_KV_DTYPES:
+        return 0
+    per_seq = -(-min_tokens // block_size) + (3 if needs_tail_window(kv_dtype) else 0)
+    return max_num_seqs * per_seq
+
+
+def window_block_bytes(model: ModelConfig, block_size: int) -> int:
+    """Bytes of one window block: K and V of ``block_size`` tokens, all layers, in the model dtype."""
+    elem = KV_DTYPES[model.dtype].element_bits // 8
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elem

@@ -121,10 +121,21 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     ``[seq_len - first, kv_heads, head_dim]``."""
     block_size = kv_cache.shape[2]
     b0, n_blocks = first // block_size, -(-seq_len // block_size)
-    blocks = kv_cache[:, block_table[b0:n_blocks]]  # [2, n_blocks - b0, block_size, kvh, d]
+    blocks = gather_blocks(kv_cache, block_table[b0:n_blocks])  # [2, n, block_size, kvh, d]
     off = first - b0 * block_size
-    kv = blocks.reshape(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
+    kv = blocks.view(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
     return kv[0], kv[1]
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy of the blocks ``block_ids`` (any shape ``[*ids]``): ``[2, *ids, block_size, kvh, d]``.
+
+    ``index_select`` over whole flattened blocks (contiguous rows) is ~5x faster on CPU than
+    advanced indexing ``kv_cache[:, ids]``.
+    """
+    num_blocks = kv_cache.shape[1]
+    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids.reshape(-1))
+    return rows.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
 
 def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -173,7 +184,7 @@ def _attend_decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBa
     s, heads, d = q.shape
     kv_heads = kv_cache.shape[3]
     g = heads // kv_heads
-    kv = kv_cache[:, plan.tables]                                  # [2, S, nb, bs, KVH, D] (a copy)
+    kv = gather_blocks(kv_cache, plan.tables)                      # [2, S, nb, bs, KVH, D] (a copy)
     kv = kv.view(2, s, -1, kv_heads, d)[:, :, : plan.context_len]  # [2, S, L, KVH, D]
     mask = None
     if plan.valid is not None:

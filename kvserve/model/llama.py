@@ -31,6 +31,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.cpu_gemm import PackedFp16Linear, pack_linears
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -143,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head: nn.Linear | None = None
+        # The logits projection; None with tied embeddings (the embedding matrix projects).
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -177,5 +179,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def pack_cpu_fp16_gemm(self) -> int:
+        """Run every projection (and the logits) through FBGEMM's fp16-weight GEMM
+        (:mod:`kvserve.model.cpu_gemm`): for bf16/fp16 models on CPUs without native half
+        arithmetic. A tied logits projection gets its own packed copy (the embedding stays for
+        lookups). Returns the number of matrices packed."""
+        count = pack_linears(self)
+        emb = self.model.embed_tokens.weight
+        if self.lm_head is None and PackedFp16Linear.fits(emb):
+            self.lm_head = PackedFp16Linear(emb, None, torch.float32)
+            count += 1
+        return count

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig, normalize_dtype
+from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.registry import get_model_class
 
@@ -156,12 +157,16 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
     return state
 
 
-def load_model(path: str | Path, dtype: str = "auto",
-               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
+               cpu_fp16_gemm: bool | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for the checkpoint at ``path`` and load its weights (inference mode, no grad).
 
     ``dtype="auto"`` keeps the checkpoint's dtype (``config.json``'s ``dtype``/``torch_dtype``);
     otherwise weights are cast. The returned config's ``dtype`` is the dtype actually loaded.
+
+    ``cpu_fp16_gemm``: run the projections through FBGEMM's fp16-weight GEMM
+    (:mod:`kvserve.model.cpu_gemm`, several times faster than torch's bf16/fp16 matmul on CPUs
+    without native half arithmetic). ``None`` = on for bf16/fp16 weights on CPU when available.
     """
     root = Path(path)
     if not root.exists():
@@ -181,6 +186,14 @@ def load_model(path: str | Path, dtype: str = "auto",
     model.to(dev)  # the rope buffer (built on CPU) follows the weights
     model.eval()
     model.requires_grad_(False)
+    if cpu_fp16_gemm is None:
+        cpu_fp16_gemm = dev.type == "cpu" and config.dtype in ("bfloat16", "float16") and fbgemm_fp16_available()
+    if cpu_fp16_gemm:
+        if dev.type != "cpu":
+            raise ValueError(f"cpu_fp16_gemm needs device cpu, got {dev}")
+        if not fbgemm_fp16_available():
+            raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
+        model.pack_cpu_fp16_gemm()
     return model, config
 
 

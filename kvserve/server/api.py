@@ -75,7 +75,7 @@ async def _sample_forever(state: ServerState) -> None:
             continue
         try:
             snap = await state.engine.snapshot()
-        except Exception:  # noqa: BLE001 - the engine died between the check and the call
+        except Exception:  # the engine died between the check and the call
             log.exception("dashboard sampling failed")
             continue
         state.metrics.set_snapshot(snap)

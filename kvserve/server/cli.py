@@ -7,11 +7,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, EngineConfig, parse_size
 
 
 def build_engine_config(model: str | None, config_file: str | None, *, dtype: str | None = None,
@@ -32,23 +32,23 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
     else:
         base = EngineConfig(model=resolve_model_path(model), cache=CacheConfig(kv_cache_memory=parse_size("512MiB")))
     cache = base.cache
-    cache_kw: dict[str, object] = {}
+    cache_kw: dict[str, Any] = {}
     if kv_cache_memory is not None:
         cache_kw["kv_cache_memory"] = parse_size(kv_cache_memory)
     if block_size is not None:
         cache_kw["block_size"] = block_size
     if session_idle_timeout_s is not None:
         cache_kw["session_idle_timeout_s"] = session_idle_timeout_s
-    sched_kw = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+    sched_kw: dict[str, Any] = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    top_kw: dict[str, object] = {}
+    top_kw: dict[str, Any] = {}
     if model is not None:
         top_kw["model"] = resolve_model_path(model)
     if dtype is not None:
         top_kw["dtype"] = dtype
     if device is not None:
         top_kw["device"] = device
-    return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),  # type: ignore[arg-type]
+    return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),
                                scheduler=dataclasses.replace(base.scheduler, **sched_kw), **top_kw)
 
 

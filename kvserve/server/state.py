@@ -4,6 +4,7 @@ chat transcripts of sessions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,6 @@ async def unless_disconnected(request: Request, coro: Any) -> Any:
     if task in done:
         return task.result()
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # the client is gone either way
         await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
-        pass
     raise ClientDisconnected()

@@ -153,7 +153,8 @@ def _request(node: ast.AST, lines: list[str], module: str, in_class: bool = Fals
 
 
 def _segment(lines: list[str], node: ast.stmt) -> str:
-    start = node.lineno if not getattr(node, "decorator_list", None) else node.decorator_list[0].lineno
+    decorators: list[ast.expr] = getattr(node, "decorator_list", [])
+    start = decorators[0].lineno if decorators else node.lineno
     end = node.end_lineno or node.lineno
     return "\n".join(lines[start - 1:end])
 

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ def perplexity(model: torch.nn.Module, tok, texts: list[str], window: int = 512)
 
 
 @torch.no_grad()
-def greedy_reply(model: torch.nn.Module, tok, user: str, max_new_tokens: int = 96) -> str:
+def greedy_reply(model: Any, tok, user: str, max_new_tokens: int = 96) -> str:
     """The model's greedy answer to one user turn, through the chat template."""
     prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
                                      tokenize=False)

@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -41,7 +42,7 @@ class TrainConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     seq_len: int = 512
-    batch_size: int = 16
+    batch_size: int = 4
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -142,7 +143,7 @@ def window_loss(model: torch.nn.Module, windows: torch.Tensor, batch: int = 8) -
     return total / count
 
 
-def save_checkpoint(model: torch.nn.Module, tok: Tokenizer, cfg: TrainConfig, out_dir: Path) -> None:
+def save_checkpoint(model: Any, tok: Tokenizer, cfg: TrainConfig, out_dir: Path) -> None:
     """Write the model (in ``cfg.dtype``), tokenizer and generation config as a HF directory."""
     from transformers import GenerationConfig
 
@@ -214,7 +215,11 @@ def train(cfg: TrainConfig, out_dir: Path = SHIPPED_DIR, log_path: Path | None =
         elapsed = time.monotonic() - t_train
         if (cfg.steps is not None and step >= cfg.steps) or (budget_s is not None and elapsed >= budget_s):
             break
-        lr = lr_at(step, cfg.steps, cfg) if cfg.steps is not None else lr_at_fraction(step, elapsed / budget_s, cfg)
+        if cfg.steps is not None:
+            lr = lr_at(step, cfg.steps, cfg)
+        else:
+            assert budget_s is not None
+            lr = lr_at_fraction(step, elapsed / budget_s, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = sample_batch(stream, cfg, gen)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.loader import load_model, load_tokenizer
 from kvserve.model.make_model import to_hub_form
 from kvserve.model.registry import get_model_class, supported_architectures
@@ -65,14 +66,19 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path, hf_checkpoint
     assert torch.equal(prompt_logits(sharded), prompt_logits(single))
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["torch-gemm", "fbgemm-fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_checkpoints_load_in_their_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
-    hf = build_hf_model("llama-gqa").to(dtype)
+def test_half_precision_checkpoints_load_in_their_dtype(dtype: torch.dtype, pack: bool, tmp_path: Path) -> None:
+    if pack and not fbgemm_fp16_available():
+        pytest.skip("no FBGEMM in this torch build")
+    hf = build_hf_model("qwen2-bias-tied").to(dtype)
     hf.save_pretrained(tmp_path)
-    model, config = load_model(tmp_path)
+    model, config = load_model(tmp_path, cpu_fp16_gemm=pack)
     assert config.dtype == {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     assert {p.dtype for p in model.parameters()} == {dtype}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    packed = [m for m in model.modules() if isinstance(m, PackedFp16Linear)]
+    assert len(packed) == (4 * config.num_hidden_layers + 1 if pack else 0)  # qkv, o, gate_up, down; logits
 
     prompt = random_prompt(20, config.vocab_size, seed=4)
     with torch.no_grad():
@@ -87,6 +93,16 @@ def test_half_precision_checkpoints_load_in_their_dtype(dtype: torch.dtype, tmp_
     upcast, up_config = load_model(tmp_path, dtype="fp32")
     assert up_config.dtype == "float32"
     assert {p.dtype for p in upcast.parameters()} == {torch.float32}
+    assert not any(isinstance(m, PackedFp16Linear) for m in upcast.modules())  # fp32 never packs
+
+
+def test_fbgemm_packing_is_automatic_for_half_weights_on_cpu(hf_checkpoint: Checkpoint) -> None:
+    if not fbgemm_fp16_available():
+        pytest.skip("no FBGEMM in this torch build")
+    model, _ = load_model(hf_checkpoint("llama-gqa")[0], dtype="bf16")
+    assert any(isinstance(m, PackedFp16Linear) for m in model.modules())
+    with pytest.raises(ValueError, match="needs device cpu"):
+        load_model(hf_checkpoint("llama-gqa")[0], dtype="bf16", device="meta", cpu_fp16_gemm=True)
 
 
 def test_dtype_override_casts_fp32_checkpoint(hf_checkpoint: Checkpoint) -> None:
@@ -99,8 +115,12 @@ def test_dtype_override_casts_fp32_checkpoint(hf_checkpoint: Checkpoint) -> None
 
 def test_loader_leaves_torch_threads_alone(hf_checkpoint: Checkpoint) -> None:
     before = torch.get_num_threads()
-    load_model(hf_checkpoint("llama-gqa")[0])
-    assert torch.get_num_threads() == before
+    torch.set_num_threads(3)  # a value nobody would pick by default
+    try:
+        load_model(hf_checkpoint("llama-gqa")[0])
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_unsupported_architecture_lists_supported_ones(hf_checkpoint: Checkpoint, tmp_path: Path) -> None:
@@ -175,3 +195,25 @@ def test_ignores_stored_rotary_buffers_and_tied_lm_head(hf_checkpoint: Checkpoin
 
     _rewrite_weights(path, add)
     assert torch.equal(prompt_logits(path), prompt_logits(src))
+
+
+@pytest.mark.parametrize(("max_window_layers", "expected"), [(0, 8), (2, None)])
+def test_qwen_sliding_window_follows_transformers_layer_types(
+        max_window_layers: int, expected: int | None, tmp_path: Path) -> None:
+    """Qwen's window applies to layers >= max_window_layers only when use_sliding_window is set."""
+    hf = build_hf_model("qwen2-bias-tied", use_sliding_window=True, sliding_window=8,
+                        max_window_layers=max_window_layers)
+    hf.save_pretrained(tmp_path)
+    model, config = load_model(tmp_path)
+    assert config.sliding_window == expected
+    prompt = random_prompt(24, config.vocab_size, seed=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    runner = PagedRunner(model, config)
+    assert (runner.prefill(prompt, runner.new_block_table(len(prompt))) - ref).abs().max().item() <= 1e-4
+
+
+def test_qwen_mixed_window_layers_are_refused() -> None:
+    cfg = build_hf_model("qwen2-bias-tied", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match="mixes sliding-window and full-attention layers"):
+        ModelConfig.from_hf_dict({**cfg.config.to_dict(), "architectures": ["Qwen2ForCausalLM"]})

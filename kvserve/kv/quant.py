@@ -1,0 +1,351 @@
+"""KV codecs: how one block of keys (or values) is stored, chosen by name from a registry.
+
+A codec turns a block of ``block_size`` tokens ``[bs, kv_heads, head_dim]`` into a few typed
+*fields* and back. Storage (:mod:`kvserve.kv.storage`) lays the fields of a block side by side in
+the block's bytes, so a codec is fully described by its field list, and its byte cost is the sum
+of the fields' sizes — the figure :mod:`kvserve.kv.layout` computes without torch (a test checks
+they agree for every codec and shape).
+
+==========  =====================================================================  ===================
+codec       fields per block, per KV head                                            bytes / token / head
+==========  =====================================================================  ===================
+bf16, fp16  data ``[bs, d]`` in that dtype                                           2·d
+fp32        data ``[bs, d]`` float32                                                 4·d
+fp8         fp32 scale per token; e4m3 data ``[bs, d]``                              d + 4
+int8        fp32 scale per token (symmetric, ``amax / 127``); int8 data               d + 4
+int4 (K)    fp16 scale + zero per channel per group of G tokens; 4-bit data          d/2 + 4·d/G
+int4 (V)    fp16 scale + zero per token (asymmetric); 4-bit data                     d/2 + 4
+==========  =====================================================================  ===================
+
+int4 follows KIVI: keys are quantized per *channel* over a group of G tokens (key outliers live in
+fixed channels), values per *token*. A key group can only be encoded once all G of its tokens
+exist, so int4 keys are a *grouped* codec (``Codec.grouped``): storage keeps the tokens of an
+unfinished group in full precision and encodes the group when it fills. G divides the block size,
+so a group never straddles two blocks.
+
+Every encode/decode here is a pure function of its inputs (no state), so the same K/V always give
+the same bytes: what makes prefix-cache hits and "quantize later" equal "quantize from the start".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Fields = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One stored tensor of a block: ``shape`` is per block (``[bs, kvh, ...]`` or ``[groups, kvh, d]``)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Codec:
+    """Base class. ``name`` is the registry name; ``lossy`` is False only for the identity codecs;
+    ``grouped`` codecs encode whole blocks only (``encode_tokens`` is not available)."""
+
+    name: str = ""
+    lossy: bool = True
+    grouped: bool = False
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        raise NotImplementedError
+
+    def block_bytes(self, block_size: int, kv_heads: int, head_dim: int) -> int:
+        """Bytes one block of this side costs (fields are laid out widest element first, so each
+        starts aligned; the total is padded to a multiple of 4)."""
+        total = sum(f.nbytes for f in self.fields(block_size, kv_heads, head_dim))
+        return -(-total // 4) * 4
+
+    def encode_tokens(self, x: torch.Tensor) -> Fields:
+        """``x [T, kvh, d]`` -> per-token fields, each ``[T, ...]`` (the field shape without ``bs``)."""
+        raise NotImplementedError(f"{self.name} encodes whole blocks only")
+
+    def encode_blocks(self, x: torch.Tensor, num_valid: torch.Tensor | None = None) -> Fields:
+        """``x [m, bs, kvh, d]`` -> fields ``[m, *field.shape]``. ``num_valid [m]`` (grouped codecs):
+        only the first ``num_valid`` tokens of each block are real; statistics ignore the rest."""
+        m, bs = x.shape[:2]
+        return {k: t.view(m, bs, *t.shape[1:]) for k, t in self.encode_tokens(x.reshape(m * bs, *x.shape[2:])).items()}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        """Fields ``[m, *field.shape]`` -> ``[m, bs, kvh, d]`` in ``dtype``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name}>"
+
+
+class IdentityCodec(Codec):
+    """Full precision in ``dtype`` (bf16, fp16 or fp32): no scales, exact for its dtype."""
+
+    lossy = False
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        return (FieldSpec("data", self.dtype, (block_size, kv_heads, head_dim)),)
+
+    def encode_tokens(self, x: torch.Tensor) -> Fields:
+        return {"data": x.to(self.dtype)}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        return fields["data"].to(dtype)
+
+
+class Int8Codec(Codec):
+    """Symmetric int8 with one fp32 scale per token per KV head: ``x ≈ q · amax / 127``.
+    Round-trip error per element ≤ ``amax / 254`` (half a step) of its token-head."""
+
+    name = "int8"
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        return (FieldSpec("scale", torch.float32, (block_size, kv_heads)),
+                FieldSpec("q", torch.int8, (block_size, kv_heads, head_dim)))
+
+    def encode_tokens(self, x: torch.Tensor) -> Fields:
+        xf = x.float()
+        scale = (xf.abs().amax(-1) / 127.0).clamp_min(1e-12)        # [T, kvh]
+        q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return {"scale": scale, "q": q}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        return (fields["q"].float() * fields["scale"][..., None]).to(dtype)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class Fp8Codec(Codec):
+    """float8 e4m3 with one fp32 scale per token per KV head mapping the token-head's amax to 448.
+    Relative error per element ≤ 2⁻⁴ (3 mantissa bits), down to the e4m3 subnormal floor."""
+
+    name = "fp8"
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        return (FieldSpec("scale", torch.float32, (block_size, kv_heads)),
+                FieldSpec("q", torch.float8_e4m3fn, (block_size, kv_heads, head_dim)))
+
+    def encode_tokens(self, x: torch.Tensor) -> Fields:
+        xf = x.float()
+        scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+        q = (xf / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return {"scale": scale, "q": q}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        return (fields["q"].float() * fields["scale"][..., None]).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 ``[..., d]`` (d even) -> ``[..., d/2]``: element 2i in the low nibble."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[..., d/2]`` uint8 -> ``[..., d]`` uint8 codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+_FP16_MAX = 65504.0
+
+
+def _affine_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scale and zero for codes 0..15 over ``[lo, hi]``; the codes are computed against the
+    *stored* (rounded) values, so decode matches encode exactly."""
+    lo = lo.clamp(-_FP16_MAX, _FP16_MAX)
+    hi = hi.clamp(-_FP16_MAX, _FP16_MAX)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-6).to(torch.float16)
+    return scale, lo.to(torch.float16)
+
+
+def _affine_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.round((x - zero.float()) / scale.float()).clamp_(0, 15).to(torch.uint8)
+
+
+class Int4TokenCodec(Codec):
+    """Asymmetric int4 per token per KV head (KIVI's value side): fp16 scale and zero (the min),
+    codes 0..15 packed two per byte. Error per element ≤ ``(max − min) / 30`` of its token-head."""
+
+    name = "int4"
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        _check_even(head_dim)
+        return (FieldSpec("scale", torch.float16, (block_size, kv_heads)),
+                FieldSpec("zero", torch.float16, (block_size, kv_heads)),
+                FieldSpec("q", torch.uint8, (block_size, kv_heads, head_dim // 2)))
+
+    def encode_tokens(self, x: torch.Tensor) -> Fields:
+        xf = x.float()
+        scale, zero = _affine_params(xf.amin(-1), xf.amax(-1))       # [T, kvh]
+        q = _affine_codes(xf, scale[..., None], zero[..., None])
+        return {"scale": scale, "zero": zero, "q": pack_int4(q)}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_int4(fields["q"]).float()
+        return (q * fields["scale"].float()[..., None] + fields["zero"].float()[..., None]).to(dtype)
+
+
+class Int4ChannelCodec(Codec):
+    """Asymmetric int4 per *channel* over groups of ``group_size`` tokens (KIVI's key side): one
+    fp16 scale and zero per (group, KV head, channel). Grouped: a block is encoded once all its
+    tokens exist (or, sealed early, over its first ``num_valid`` tokens)."""
+
+    name = "int4"
+    grouped = True
+
+    def __init__(self, group_size: int) -> None:
+        if group_size <= 0:
+            raise ValueError(f"int4 group size must be > 0, got {group_size}")
+        self.group_size = group_size
+
+    def _groups(self, block_size: int) -> int:
+        if block_size % self.group_size:
+            raise ValueError(f"int4 key group size {self.group_size} must divide block_size {block_size}")
+        return block_size // self.group_size
+
+    def fields(self, block_size: int, kv_heads: int, head_dim: int) -> tuple[FieldSpec, ...]:
+        _check_even(head_dim)
+        g = self._groups(block_size)
+        return (FieldSpec("scale", torch.float16, (g, kv_heads, head_dim)),
+                FieldSpec("zero", torch.float16, (g, kv_heads, head_dim)),
+                FieldSpec("q", torch.uint8, (block_size, kv_heads, head_dim // 2)))
+
+    def encode_blocks(self, x: torch.Tensor, num_valid: torch.Tensor | None = None) -> Fields:
+        m, bs, kvh, d = x.shape
+        g = self._groups(bs)
+        xg = x.float().view(m, g, self.group_size, kvh, d)
+        lo_src, hi_src = xg, xg
+        if num_valid is not None:  # tokens at or past num_valid are garbage: keep them out of min/max
+            pos = torch.arange(bs, device=x.device).view(1, g, self.group_size, 1, 1)
+            real = pos < num_valid.to(x.device).view(m, 1, 1, 1, 1)
+            lo_src = xg.masked_fill(~real, float("inf"))
+            hi_src = xg.masked_fill(~real, float("-inf"))
+        lo, hi = lo_src.amin(2), hi_src.amax(2)                      # [m, g, kvh, d]
+        empty = torch.isinf(lo)                                      # a group with no real token
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+        scale, zero = _affine_params(lo, hi)
+        q = _affine_codes(xg, scale[:, :, None], zero[:, :, None]).view(m, bs, kvh, d)
+        return {"scale": scale, "zero": zero, "q": pack_int4(q)}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_int4(fields["q"]).float()                          # [m, bs, kvh, d]
+        m, bs, kvh, d = q.shape
+        g = fields["scale"].shape[1]
+        q = q.view(m, g, bs // g, kvh, d)
+        out = q * fields["scale"].float()[:, :, None] + fields["zero"].float()[:, :, None]
+        return out.view(m, bs, kvh, d).to(dtype)
+
+
+def _check_even(head_dim: int) -> None:
+    if head_dim % 2:
+        raise ValueError(f"int4 packs two values per byte and needs an even head_dim, got {head_dim}")
+
+
+# -- the registry -----------------------------------------------------------------------------
+
+CODEC_NAMES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "int8", "int4")
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+            "e4m3": "fp8", "fp8_e4m3": "fp8"}
+_LAYOUT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                 "fp8": "fp8", "int8": "int8", "int4": "int4"}
+_MODEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def canonical_codec_name(name: str, model_dtype: str = "bfloat16") -> str:
+    """``bf16``/``bfloat16``/``auto`` … -> a registry name. Unknown names list the valid ones."""
+    key = name.strip().lower()
+    if key == "auto":
+        return _MODEL_DTYPES.get(model_dtype, "bf16")
+    key = _ALIASES.get(key, key)
+    if key not in CODEC_NAMES:
+        raise ValueError(f"unknown KV codec {name!r}; valid: auto, {', '.join(CODEC_NAMES)} "
+                         f"(or 'k:<codec>,v:<codec>' for different key and value codecs)")
+    return key
+
+
+@dataclass(frozen=True)
+class KVCodecSpec:
+    """The codecs of the key side and the value side (registry names), e.g. ``k:int8,v:int4``."""
+
+    k: str
+    v: str
+
+    def __post_init__(self) -> None:
+        for name in (self.k, self.v):
+            if name not in CODEC_NAMES:
+                raise ValueError(f"unknown KV codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
+
+    @property
+    def name(self) -> str:
+        """``int8`` when both sides agree, else ``k:int8,v:int4`` (parses back to the same spec)."""
+        return self.k if self.k == self.v else f"k:{self.k},v:{self.v}"
+
+    @property
+    def lossy(self) -> bool:
+        return self.k not in ("bf16", "fp16", "fp32") or self.v not in ("bf16", "fp16", "fp32")
+
+    @property
+    def layout_names(self) -> tuple[str, str]:
+        """The K and V names :mod:`kvserve.kv.layout` uses (``bfloat16`` for ``bf16`` …)."""
+        return _LAYOUT_NAMES[self.k], _LAYOUT_NAMES[self.v]
+
+
+def parse_kv_codecs(spec: str, model_dtype: str = "bfloat16") -> KVCodecSpec:
+    """``"int8"`` (both sides), ``"k:int8,v:int4"`` or ``"auto"`` (the model dtype).
+
+    Raises ValueError naming the valid codecs for an unknown name or a malformed spec."""
+    text = spec.strip().lower()
+    if ":" not in text:
+        name = canonical_codec_name(text, model_dtype)
+        return KVCodecSpec(name, name)
+    sides: dict[str, str] = {}
+    for part in text.split(","):
+        side, sep, name = part.partition(":")
+        side = side.strip()
+        if not sep or side not in ("k", "v") or side in sides:
+            raise ValueError(f"cannot read KV codec spec {spec!r}; write one codec ('int8') or both "
+                             f"sides once each ('k:int8,v:int4')")
+        sides[side] = canonical_codec_name(name, model_dtype)
+    if set(sides) != {"k", "v"}:
+        raise ValueError(f"KV codec spec {spec!r} must name both sides: 'k:<codec>,v:<codec>'")
+    return KVCodecSpec(sides["k"], sides["v"])
+
+
+_IDENTITY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FACTORIES: dict[str, Callable[[str, int], Codec]] = {
+    "bf16": lambda side, g: IdentityCodec("bf16", torch.bfloat16),
+    "fp16": lambda side, g: IdentityCodec("fp16", torch.float16),
+    "fp32": lambda side, g: IdentityCodec("fp32", torch.float32),
+    "fp8": lambda side, g: Fp8Codec(),
+    "int8": lambda side, g: Int8Codec(),
+    "int4": lambda side, g: Int4ChannelCodec(g) if side == "k" else Int4TokenCodec(),
+}
+
+
+def make_codec(name: str, side: str, group_size: int) -> Codec:
+    """The codec object for one side (``"k"`` or ``"v"``). ``group_size`` is int4's key group."""
+    if side not in ("k", "v"):
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+    return _FACTORIES[canonical_codec_name(name)](side, group_size)
+
+
+def round_trip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """Encode then decode whole blocks ``x [m, bs, kvh, d]`` (for tests and the eval's reference)."""
+    return codec.decode(codec.encode_blocks(x), x.dtype)
