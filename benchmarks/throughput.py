@@ -22,6 +22,7 @@ shared and noisy: every figure comes with its ratio to the others from the same 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -37,14 +38,25 @@ ENGINES = ("kvserve", "transformers", "llama.cpp")
 
 # --------------------------------------------------------------------------------------------
 # shared helpers
-def prompt_ids(n: int, seed: int = 0, vocab: int = 4000) -> list[int]:
-    """Deterministic token ids in [10, vocab)."""
-    return [10 + (i * 7919 + seed * 104729) % (vocab - 10) for i in range(n)]
+VOCAB = 4000  # prompt ids are drawn below min(this, the model's vocabulary); set in main()
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """Deterministic token ids in [10, VOCAB)."""
+    return [10 + (i * 7919 + seed * 104729) % (VOCAB - 10) for i in range(n)]
 
 
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not inherit the parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -149,7 +161,8 @@ def worker_llama_cpp(args: argparse.Namespace) -> dict:
 
     from benchmarks.llama_cpp_convert import to_gguf
 
-    gguf = to_gguf(Path(args.model), CACHE / "qwen2.5-0.5b-bf16.gguf", "bf16" if args.dtype == "bfloat16" else "f16")
+    outtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[args.dtype]
+    gguf = to_gguf(Path(args.model), CACHE / f"{Path(args.model).name}-{outtype}.gguf", outtype)
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(args.context + args.prefill) + args.decode_tokens + 8,
                           n_threads=args.threads, n_threads_batch=args.threads, n_batch=max(args.prefill),
                           n_ubatch=512, verbose=False)
@@ -174,9 +187,59 @@ def worker_llama_cpp(args: argparse.Namespace) -> dict:
         res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
     for n in args.context:
         res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
-    res["batch_tok_s"] = None  # the high-level API runs one sequence at a time
-    res["note"] = "batch: n/a (llama-cpp-python's Llama runs one sequence; see docs/benchmarks.md)"
+    prompts = [prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)]
+    res["batch_tok_s"], res["batch_decode_phase_tok_s"] = llama_cpp_batched(llm, args, prompts)
+    half = prompts[: max(1, args.batch // 2)]
+    res["half_batch_decode_phase_tok_s"] = llama_cpp_batched(llm, args, half)[1]
     return res
+
+
+def llama_cpp_batched(llm, args: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, float]:
+    """B sequences in one llama.cpp context through the low-level API (as llama-batched-bench does):
+    prefill every prompt, then decode one token per sequence per llama_decode call. Returns
+    (generated tokens/s over the whole run, tokens/s of the decode phase alone)."""
+    import ctypes
+
+    import llama_cpp as lc
+    import numpy as np
+
+    b, p, new = len(prompts), len(prompts[0]), args.batch_new
+    params = lc.llama_context_default_params()
+    params.n_ctx = b * (p + new) + 64
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = b
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = lc.llama_init_from_model(llm._model.model, params)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm._model.model))
+    batch = lc.llama_batch_init(512, 0, b)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:  # (token, pos, seq, want logits)
+        for start in range(0, len(items), 512):
+            chunk = items[start:start + 512]
+            batch.n_tokens = len(chunk)
+            for i, (tok, pos, seq, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+    def argmax(i: int) -> int:
+        ptr = lc.llama_get_logits_ith(ctx, i)
+        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+
+    t0 = time.perf_counter()
+    last: list[int] = []
+    for seq, ids in enumerate(prompts):  # one prompt per decode call: its last row holds its logits
+        decode([(tok, pos, seq, pos == p - 1) for pos, tok in enumerate(ids)])
+        last.append(argmax(-1))
+    t1 = time.perf_counter()
+    for step in range(new - 1):
+        decode([(last[s], p + step, s, True) for s in range(b)])
+        last = [argmax(s) for s in range(b)]
+    t2 = time.perf_counter()
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    return b * new / (t2 - t0), b * (new - 1) / (t2 - t1)
 
 
 WORKERS = {"kvserve": worker_kvserve, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
@@ -222,8 +285,10 @@ def report(doc: dict) -> str:
         row(f"  share of bandwidth bound @{n}", lambda d, n=n: d["bound_share"].get(str(n), d["bound_share"].get(n)),
             "{:.0%}")
     row(f"{doc['batch']} requests ({doc['batch_prompt']}+{doc['batch_new']}) tok/s", lambda d: d.get("batch_tok_s"))
+    row("  decode phase only, tok/s", lambda d: d.get("batch_decode_phase_tok_s"))
+    row(f"  {doc['batch'] // 2} requests, decode phase, tok/s", lambda d: d.get("half_batch_decode_phase_tok_s"))
     row("peak RSS (GiB)", lambda d: d["peak_rss_bytes"] / 2**30, "{:.2f}")
-    console = Console(record=True, width=120)
+    console = Console(record=True, width=120, file=io.StringIO())
     console.print(table)
     for name, r in doc.get("ratios", {}).items():
         console.print(f"{name}: {r:.2f}")
@@ -245,10 +310,13 @@ def main() -> None:
     args.context = [128, 256] if args.quick else [512, 2048]
     args.decode_tokens = 16 if args.quick else 64
     args.batch, args.batch_prompt, args.batch_new = (4, 64, 16) if args.quick else (16, 256, 128)
+    global VOCAB
+    if (args.model / "config.json").exists():
+        VOCAB = min(VOCAB, json.loads((args.model / "config.json").read_text())["vocab_size"])
 
     if args.worker:
         res = WORKERS[args.worker](args)
-        res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        res["peak_rss_bytes"] = peak_rss_bytes()
         print(json.dumps(res))
         return
 

@@ -23,16 +23,17 @@ def _register_all() -> None:
     from kvserve import assets
     from kvserve.bench import cli as bench_cli
     from kvserve.engine import cli_generate
-    from kvserve.model import make_model
+    from kvserve.model import cli_make_model
     from kvserve.planner import cli as planner_cli
     from kvserve.server import cli as server_cli
 
     assets.register(app)
     bench_cli.register(app)
     cli_generate.register(app)
-    make_model.register(app)
+    cli_make_model.register(app)
     planner_cli.register(app)
     server_cli.register(app)
+    __import__("kvserve.eval.cli", fromlist=["register"]).register(app)  # kvserve eval kv
 
 
 _register_all()

@@ -237,10 +237,25 @@ class CacheConfig:
     session_idle_timeout_s: float = 600.0
     max_session_tokens: int | None = None
     session_overflow: str = "error"  # or "drop_oldest": drop the oldest turns to fit
+    # Lossy KV codecs (kvserve.kv.quant, docs/kv-quant.md): a sequence shorter than
+    # kv_quant_min_tokens reads full-precision KV; int4 keys are grouped by kv_quant_group_size
+    # tokens (None: min(32, block_size)); int4 keeps a sequence's first kv_quant_sink_tokens exact.
+    kv_quant_min_tokens: int = 0
+    kv_quant_group_size: int | None = None
+    kv_quant_sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_quant_min_tokens < 0:
+            raise ValueError(f"kv_quant_min_tokens must be >= 0, got {self.kv_quant_min_tokens}")
+        if self.kv_quant_group_size is not None and (
+                self.kv_quant_group_size <= 0 or self.block_size % self.kv_quant_group_size):
+            raise ValueError(f"kv_quant_group_size must divide block_size ({self.block_size}), "
+                             f"got {self.kv_quant_group_size}")
+        if not 0 <= self.kv_quant_sink_tokens <= self.block_size:
+            raise ValueError(f"kv_quant_sink_tokens must be in [0, block_size={self.block_size}], "
+                             f"got {self.kv_quant_sink_tokens}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

@@ -62,6 +62,7 @@ class Request:
     leader: Request | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    kv_cache_dtype: str | None = None  # per-request KV codec override (canonical name); None = the engine's
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -82,7 +82,7 @@ def run_engine_mode(cfg: TurnsConfig, mode: str, progress: Callable[[int], None]
     engine = llm.engine
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     params = SamplingParams(max_tokens=cfg.new_tokens, temperature=0, ignore_eos=True)
-    histories = [[] for _ in range(cfg.conversations)]
+    histories: list[list[int]] = [[] for _ in range(cfg.conversations)]
     records: list[TurnRecord] = []
     bpt = engine.capacity.bytes_per_token
     for t in range(1, cfg.turns + 1):

@@ -88,8 +88,8 @@ def chat(
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        if verbose:
-            out = llm.last_output
+        out = llm.last_output
+        if verbose and out is not None:
             typer.echo(f"[{len(out.outputs[0].token_ids)} tokens, {out.num_cached_tokens} prompt tokens from cache]",
                        err=True)
 

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvserve.config import EngineConfig, normalize_dtype
@@ -62,11 +64,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
-        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype {self.kv_dtype!r} is not served by the engine yet; "
-                             f"use auto, bfloat16, float16 or float32")
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
-                                                self.max_model_len, self.device)
+                                                self.max_model_len, self.device, config.scheduler.max_num_seqs)
         log.info(self.capacity.summary())
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -74,19 +73,21 @@ class LLMEngine:
                                  session_idle_timeout_s=config.cache.session_idle_timeout_s)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, self.capacity, self.kv_dtype,
-                                  self.device, seed=config.seed)
+                                  self.device, seed=config.seed, cache=config.cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._eos = self._eos_token_ids()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json, generation_config.json and the tokenizer, together."""
         ids = set(self.model_config.eos_token_ids)
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        gen_file = Path(self.config.model) / "generation_config.json"
+        if gen_file.exists():
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        return tuple(sorted(ids))
+        return tuple(sorted(int(i) for i in ids))
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -102,18 +103,19 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one token")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        ids = list(prompt)
+        raw: list[object] = list(prompt)
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in raw if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return None, ids
+        return None, [int(t) for t in raw]  # type: ignore[call-overload]
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, kv_cache_dtype: str | None = None) -> str:
         """Queue a request (``n`` samples become ``n`` sibling sequences). Raises ValueError for
-        input that can never run; nothing is queued then.
+        input that can never run; nothing is queued then. ``kv_cache_dtype`` overrides the engine's
+        KV codec for this request (it must fit the pool's blocks: docs/kv-quant.md).
 
         With ``session_id`` the prompt is the *new* turn's tokens only: they are appended to the
         session's history (previous prompts and replies, never re-tokenized), whose KV is reused."""
@@ -126,6 +128,7 @@ class LLMEngine:
         if session_id is not None:
             ids = self._session_prompt(session_id, ids, params)
         self.scheduler.validate(len(ids), params.max_tokens)
+        codec = self._request_codec(kv_cache_dtype)
         if session_id is not None:
             session = self.kv.begin_turn(session_id)
             start = len(ids) - num_new
@@ -135,13 +138,23 @@ class LLMEngine:
         for i in range(params.n):
             child = Request(f"{rid}" if params.n == 1 else f"{rid}#{i}", list(ids), params,
                             eos_token_ids=self._eos, group_id=rid, sample_index=i,
-                            leader=leader, cache_salt=cache_salt, session_id=session_id)
+                            leader=leader, cache_salt=cache_salt, session_id=session_id,
+                            kv_cache_dtype=codec)
             leader = leader or child
             children.append(child)
         for child in children:
             self.scheduler.add_request(child)
         self.outputs.add_group(rid, text, ids, children)
         return rid
+
+    def _request_codec(self, name: str | None) -> str | None:
+        """A per-request KV codec, canonical; None when it is the engine's own. Raises ValueError
+        for an unknown codec or one that does not fit the pool."""
+        canon = None if name is None else resolve_kv_dtype(name, self.model_config.dtype)
+        if canon is None or canon == self.kv_dtype:
+            return None
+        self.runner.storage.pair_for(canon)
+        return canon
 
     def _session_prompt(self, session_id: str, new_ids: list[int], params: SamplingParams) -> list[int]:
         """History + new turn, applying ``max_session_tokens`` (error, or drop the oldest turns)."""

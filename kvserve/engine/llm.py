@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from kvserve.engine.chat_session import ChatTranscript
@@ -55,6 +55,9 @@ class LLM:
         session_idle_timeout_s: float = 600.0,
         max_session_tokens: int | None = None,
         session_overflow: str = "error",
+        kv_quant_min_tokens: int = CacheConfig.kv_quant_min_tokens,
+        kv_quant_group_size: int | None = None,
+        kv_quant_sink_tokens: int = CacheConfig.kv_quant_sink_tokens,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -66,6 +69,9 @@ class LLM:
             session_idle_timeout_s=session_idle_timeout_s,
             max_session_tokens=max_session_tokens,
             session_overflow=session_overflow,
+            kv_quant_min_tokens=kv_quant_min_tokens,
+            kv_quant_group_size=kv_quant_group_size,
+            kv_quant_sink_tokens=kv_quant_sink_tokens,
         )
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
@@ -99,6 +105,7 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = cast(list[PromptType], prompts)
         params = self._params_list(sampling_params, len(prompts))
         if session_id is not None:
             if len(prompts) != 1:

@@ -14,7 +14,13 @@ import psutil
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
-from kvserve.kv.layout import KVCapacity, capacity_for_budget, model_kv_bytes_per_token
+from kvserve.kv.layout import (
+    KVCapacity,
+    capacity_for_budget,
+    model_kv_bytes_per_token,
+    window_block_bytes,
+    window_blocks,
+)
 
 log = logging.getLogger("kvserve")
 
@@ -42,13 +48,17 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_capacity(model: ModelConfig, cache: CacheConfig, kv_dtype: str, max_model_len: int,
-                device: torch.device) -> KVCapacity:
-    """What the engine allocates for its KV pool."""
-    bpt = model_kv_bytes_per_token(model, kv_dtype)
+                device: torch.device, max_num_seqs: int = 1) -> KVCapacity:
+    """What the engine allocates for its KV pool: blocks at the codec's exact bytes per token, plus
+    (lossy codecs) the full-precision window, both inside the budget (:mod:`kvserve.kv.layout`)."""
+    bpt = model_kv_bytes_per_token(model, kv_dtype, cache.block_size, cache.kv_quant_group_size)
+    w_blocks = window_blocks(kv_dtype, cache.block_size, max_num_seqs, cache.kv_quant_min_tokens,
+                             cache.kv_quant_sink_tokens)
+    w_bytes = window_block_bytes(model, cache.block_size)
     if cache.num_blocks_override is not None:
-        budget = cache.num_blocks_override * cache.block_size * bpt
+        budget = cache.num_blocks_override * cache.block_size * bpt + w_blocks * w_bytes
     elif cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     else:
         budget = int(free_memory_bytes(device) * cache.kv_cache_fraction)
-    return capacity_for_budget(budget, bpt, cache.block_size, max_model_len)
+    return capacity_for_budget(budget, bpt, cache.block_size, max_model_len, w_blocks, w_bytes)

@@ -104,7 +104,7 @@ def split_kv_dtype(kv_dtype: str) -> tuple[str, str]:
     return kv_dtype, kv_dtype
 
 
-def _side_bytes_per_head(name: str, side: str, head_dim: int, group_size: int) -> float:
+def side_bytes_per_head(name: str, side: str, head_dim: int, group_size: int) -> float:
     """Bytes per token per KV head of one side (K or V) under codec ``name``."""
     spec = KV_DTYPES[name]
     data = head_dim * spec.element_bits / 8
@@ -118,7 +118,7 @@ def side_block_bytes(name: str, side: str, block_size: int, kv_heads: int, head_
     """Exact bytes one block of one side costs in one layer: the codec's fields
     (:mod:`kvserve.kv.quant`), padded to a multiple of 4 bytes."""
     group = int4_group_size(block_size, group_size)
-    total = block_size * kv_heads * _side_bytes_per_head(name, side, head_dim, group)
+    total = block_size * kv_heads * side_bytes_per_head(name, side, head_dim, group)
     return -(-int(total) // 4) * 4
 
 
@@ -140,7 +140,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     if min(num_layers, num_kv_heads, head_dim) <= 0:
         raise ValueError("layers, kv_heads and head_dim must all be > 0")
     k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
-    per_head = _side_bytes_per_head(k, "k", head_dim, group_size) + _side_bytes_per_head(v, "v", head_dim, group_size)
+    per_head = side_bytes_per_head(k, "k", head_dim, group_size) + side_bytes_per_head(v, "v", head_dim, group_size)
     total = num_layers * num_kv_heads * per_head
     return int(-(-total // 1))
 
@@ -264,25 +264,28 @@ def model_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "auto", block_s
 # crosses the threshold), and, under int4, the block holding a sequence's unfinished key group and
 # its first "sink" tokens. The area is sized so that every running sequence can have all of them:
 #
-#     window blocks = max_num_seqs × (⌈min_tokens / block_size⌉ + 3 if int4 else ⌈min_tokens / block_size⌉)
+#     window blocks = max_num_seqs × (⌈min_tokens / block_size⌉ + 3 if int4 keys or sinks else ⌈min_tokens / block_size⌉)
 #
 # (3 = the unfinished group's block, the previous block while it is finished, and the sink block).
 
-def needs_tail_window(kv_dtype: str) -> bool:
-    """True when the codec keeps each sequence's unfinished key group and sinks in full precision."""
-    return "int4" in split_kv_dtype(resolve_kv_dtype(kv_dtype))
+def needs_tail_window(kv_dtype: str, sink_tokens: int = 0) -> bool:
+    """True when the codec keeps each sequence's unfinished key group (int4 keys) or its first
+    ``sink_tokens`` tokens (int4 on either side) in full precision."""
+    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
+    return k == "int4" or (sink_tokens > 0 and "int4" in (k, v))
 
 
-def window_blocks(kv_dtype: str, block_size: int, max_num_seqs: int, min_tokens: int) -> int:
+def window_blocks(kv_dtype: str, block_size: int, max_num_seqs: int, min_tokens: int,
+                  sink_tokens: int = 0) -> int:
     """Blocks of the full-precision window for a pool (0 for float KV). See the formula above."""
     k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
     if k in FLOAT_KV_DTYPES and v in FLOAT_KV_DTYPES:
         return 0
-    per_seq = -(-min_tokens // block_size) + (3 if needs_tail_window(kv_dtype) else 0)
+    per_seq = -(-min_tokens // block_size) + (3 if needs_tail_window(kv_dtype, sink_tokens) else 0)
     return max_num_seqs * per_seq
 
 
 def window_block_bytes(model: ModelConfig, block_size: int) -> int:
     """Bytes of one window block: K and V of ``block_size`` tokens, all layers, in the model dtype."""
-    elem = KV_DTYPES[model.dtype].element_bits // 8
-    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elem
+    return block_size * kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+                                           model.head_dim, model.dtype)

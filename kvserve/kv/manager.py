@@ -110,7 +110,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _extra(self, req: Request) -> tuple[str, ...]:
-        return self.extra_key + ((f"salt:{req.cache_salt}",) if req.cache_salt else ())
+        codec = (f"kv:{req.kv_cache_dtype}",) if req.kv_cache_dtype else ()  # a per-request KV codec
+        return self.extra_key + codec + ((f"salt:{req.cache_salt}",) if req.cache_salt else ())
 
     def _block_hashes(self, req: Request) -> list[BlockHash]:
         hashes = hash_full_blocks(req.all_token_ids, self.block_size, self._extra(req),

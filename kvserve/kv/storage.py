@@ -77,6 +77,7 @@ class CodecPair:
     k_fields: tuple[tuple[FieldSpec, int], ...]  # (field, byte offset in the K region)
     v_fields: tuple[tuple[FieldSpec, int], ...]
     sinks: bool  # first tokens of a sequence read from a shadow
+    joint: bool  # K and V use one codec with one field layout: decoded in one call
 
     @property
     def lossy(self) -> bool:
@@ -170,18 +171,28 @@ class KVStorage:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.plain_dtype = _plain_dtype(pool_pair)
         self.plain: list[torch.Tensor] | None = None
+        # ``planes[layer]`` is ``uint8 [2, num_blocks, side bytes]`` when K and V regions have one
+        # size (one gather reads both); else K and V are two tensors.
+        self.planes: list[torch.Tensor] | None = None
         if self.plain_dtype is not None:   # float pool: the classic layout, shared with attention
             self.plain = [torch.empty((2, *shape), dtype=self.plain_dtype, device=self.device)
                           for _ in range(num_layers)]
-            self.k_regions = [t[0].view(num_blocks, -1).view(torch.uint8) for t in self.plain]
-            self.v_regions = [t[1].view(num_blocks, -1).view(torch.uint8) for t in self.plain]
+            self._bufs = list(self.plain)
+            self.planes = [t.view(2, num_blocks, -1).view(torch.uint8) for t in self.plain]
         else:
             kb, vb = self._region_bytes(pool_pair)
-            bufs = [torch.empty((num_blocks, kb + vb), dtype=torch.uint8, device=self.device)
-                    for _ in range(num_layers)]
-            self.k_regions = [b[:, :kb] for b in bufs]
-            self.v_regions = [b[:, kb:] for b in bufs]
-            self._bufs = bufs
+            if kb == vb:
+                self._bufs = [torch.empty((2, num_blocks, kb), dtype=torch.uint8, device=self.device)
+                              for _ in range(num_layers)]
+                self.planes = list(self._bufs)
+            else:
+                self._bufs = [torch.empty((num_blocks, n), dtype=torch.uint8, device=self.device)
+                              for _ in range(num_layers) for n in (kb, vb)]
+        if self.planes is not None:
+            self.k_regions = [p[0] for p in self.planes]
+            self.v_regions = [p[1] for p in self.planes]
+        else:
+            self.k_regions, self.v_regions = self._bufs[0::2], self._bufs[1::2]
         self.shadows = [torch.empty((2, window_blocks, block_size, kv_heads, head_dim), dtype=dtype,
                                     device=self.device) for _ in range(num_layers)] if window_blocks else []
         # Block state (python lists are the truth; the tensors mirror what reads need).
@@ -216,8 +227,9 @@ class KVStorage:
         k = make_codec(spec.k, "k", self.group_size)
         v = make_codec(spec.v, "v", self.group_size)
         args = (self.block_size, self.kv_heads, self.head_dim)
-        pair = CodecPair(spec, k, v, _place(k.fields(*args)), _place(v.fields(*args)),
-                         sinks=self.sink_tokens > 0 and "int4" in (spec.k, spec.v))
+        kf, vf = _place(k.fields(*args)), _place(v.fields(*args))
+        pair = CodecPair(spec, k, v, kf, vf, sinks=self.sink_tokens > 0 and "int4" in (spec.k, spec.v),
+                         joint=spec.k == spec.v and not k.grouped and kf == vf)
         self.pairs.append(pair)
         self._pair_ids[spec.name] = len(self.pairs) - 1
         return len(self.pairs) - 1
@@ -246,8 +258,7 @@ class KVStorage:
     # -- bytes -------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        tensors = self.plain if self.plain is not None else self._bufs
-        return sum(t.numel() * t.element_size() for t in [*tensors, *self.shadows])
+        return sum(t.numel() * t.element_size() for t in [*self._bufs, *self.shadows])
 
     @property
     def window_nbytes(self) -> int:
@@ -461,9 +472,7 @@ class KVStorage:
         """A sealed partial block gets a shadow again: start it from the decoded values."""
         ids = torch.tensor([b], device=self.device)
         for layer in range(self.num_layers):
-            k, v = self._layers[layer].decode_blocks(ids)
-            self.shadows[layer][0, slot] = k[0]
-            self.shadows[layer][1, slot] = v[0]
+            self.shadows[layer][:, slot] = self._layers[layer].decode_blocks(ids)[:, 0]
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: ``dst`` gets ``src``'s bytes, codec, fill and (a copy of) its shadow."""
@@ -565,23 +574,30 @@ class LayerKV:
             _put_blocks(s._pair_views(self.layer, pid, "k"), pair.k.encode_blocks(x), f.blocks)
 
     # -- reading -----------------------------------------------------------------------------
-    def decode_blocks(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode blocks ``ids [M]`` from the pool (no shadows): K, V each ``[M, bs, kvh, d]``."""
+    def decode_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """Decode blocks ``ids [M]`` from the pool (no shadows): ``[2, M, bs, kvh, d]`` (K, V)."""
         s = self.storage
-        out = []
-        for side, regions in (("k", s.k_regions), ("v", s.v_regions)):
-            raw = regions[self.layer].index_select(0, ids)              # [M, region bytes]
-            if len(s.pairs_used) == 1:
-                (pid,) = s.pairs_used
-                out.append(self._decode(raw, pid, side))
-                continue
-            pids = s._block_pair_t.index_select(0, ids)
-            res = torch.empty((ids.numel(), s.block_size, s.kv_heads, s.head_dim), dtype=s.dtype, device=raw.device)
-            for pid in pids.unique().tolist():
-                sel = (pids == pid).nonzero().squeeze(1)
-                res[sel] = self._decode(raw.index_select(0, sel), pid, side)
-            out.append(res)
-        return out[0], out[1]
+        m = ids.numel()
+        tail = (s.block_size, s.kv_heads, s.head_dim)
+        single = next(iter(s.pairs_used)) if len(s.pairs_used) == 1 else None
+        if s.planes is not None:
+            raw = s.planes[self.layer].index_select(1, ids)              # [2, M, side bytes]: one gather
+            if single is not None and s.pairs[single].joint:
+                return self._decode(raw.view(2 * m, -1), single, "k").view(2, m, *tail)
+            sides = (raw[0], raw[1])
+        else:
+            sides = (s.k_regions[self.layer].index_select(0, ids), s.v_regions[self.layer].index_select(0, ids))
+        out = torch.empty((2, m, *tail), dtype=s.dtype, device=ids.device)
+        if single is not None:
+            out[0] = self._decode(sides[0], single, "k")
+            out[1] = self._decode(sides[1], single, "v")
+            return out
+        pids = s._block_pair_t.index_select(0, ids)
+        for pid in pids.unique().tolist():
+            sel = (pids == pid).nonzero().squeeze(1)
+            out[0, sel] = self._decode(sides[0].index_select(0, sel), pid, "k")
+            out[1, sel] = self._decode(sides[1].index_select(0, sel), pid, "v")
+        return out
 
     def _decode(self, raw: torch.Tensor, pid: int, side: str) -> torch.Tensor:
         pair = self.storage.pairs[pid]
@@ -599,8 +615,7 @@ class LayerKV:
                 # Every block read at full precision (a short sequence): no decode at all.
                 slots = s._shadow_slot.index_select(0, ids)
                 return s.shadows[self.layer].index_select(1, slots).view(2, *block_ids.shape, *tail)
-            k, v = self.decode_blocks(ids)
-            out = torch.stack((k, v))                                   # [2, M, bs, kvh, d]
+            out = self.decode_blocks(ids)                               # [2, M, bs, kvh, d]
             if bool(has.any()):
                 sel = has.nonzero().squeeze(1)
                 blocks = ids.index_select(0, sel)
@@ -610,8 +625,7 @@ class LayerKV:
                 keep = torch.arange(s.block_size, device=ids.device)[None, :] < rows[:, None]
                 out[:, sel] = torch.where(keep[None, :, :, None, None], sub, out.index_select(1, sel))
             return out.view(2, *block_ids.shape, *tail)
-        k, v = self.decode_blocks(ids)
-        return torch.stack((k, v)).view(2, *block_ids.shape, *tail)
+        return self.decode_blocks(ids).view(2, *block_ids.shape, *tail)
 
     def gather(self, block_table: torch.Tensor, seq_len: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's keys and values at positions ``first … seq_len - 1``, each ``[n, kvh, d]``."""

@@ -12,6 +12,10 @@ A step packs every scheduled sequence's new tokens into one flat batch (no paddi
     seq i's queries are positions  ctx_i - q_i … ctx_i - 1  of its sequence
 
 Metadata is passed explicitly (no module-level globals), built by ``kvserve.runner.inputs``.
+
+A layer's cache may instead be a codec-aware :class:`kvserve.kv.storage.LayerKV` (fp8/int8/int4 KV):
+it has the same ``shape``, encodes in ``write`` and decodes only the blocks asked for in
+``gather_blocks`` (fused gather + dequantize); everything else here is unchanged.
 """
 
 from __future__ import annotations
@@ -109,6 +113,9 @@ def _plan_step(meta: AttentionMetadata, kv_cache: torch.Tensor, device: torch.de
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ``[T, kv_heads, head_dim]`` at their slots."""
+    if not isinstance(kv_cache, torch.Tensor):  # LayerKV: encodes through its codec
+        kv_cache.write(k, v, slot_mapping)
+        return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
@@ -133,6 +140,8 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
     ``index_select`` over whole flattened blocks (contiguous rows) is ~5x faster on CPU than
     advanced indexing ``kv_cache[:, ids]``.
     """
+    if not isinstance(kv_cache, torch.Tensor):  # LayerKV: gathers, then decodes only these blocks
+        return kv_cache.gather_blocks(block_ids)
     num_blocks = kv_cache.shape[1]
     rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids.reshape(-1))
     return rows.view(2, *block_ids.shape, *kv_cache.shape[2:])

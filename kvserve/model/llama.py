@@ -18,7 +18,9 @@ batch dimension); attention reads each sequence's context through the paged KV c
 :meth:`LlamaForCausalLM.packed_modules` tells the loader how to concatenate them.
 
 Numerics follow transformers: RMSNorm in float32 then cast back, rope cos/sin computed in float32
-and cast to the model dtype, residual adds in the model dtype.
+and cast to the model dtype, residual adds in the model dtype. On CPU, half-precision models can
+swap their projections for FBGEMM fp16 GEMMs (:meth:`LlamaForCausalLM.pack_cpu_fp16_gemm`, done by
+the loader by default): same values up to fp32 summation order, several times faster.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # == x.float() * rsqrt(mean(x.float()**2) + eps), bit for bit, in one kernel.
+        # x.float() * rsqrt(mean(x.float()**2) + eps) in one kernel (bitwise equal in our checks).
         normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-import typer
 from safetensors.torch import save_file
 
 from kvserve.config import ModelConfig
@@ -128,24 +127,3 @@ def make_model(preset: str | ModelPreset, out: str | Path, seed: int = 0, dtype:
     written = to_hub_form(cfg) if config_form == "hub" else cfg
     (root / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     return root
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``kvserve make-model`` to the CLI."""
-
-    @app.command("make-model")
-    def make_model_cmd(
-        preset: Annotated[str, typer.Option(help=f"one of: {', '.join(PRESETS)}")],
-        out: Annotated[Path, typer.Option(help="output folder (created)")],
-        seed: Annotated[int, typer.Option(help="weights depend only on this seed")] = 0,
-        dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the preset's)")] = None,
-        config_form: Annotated[str, typer.Option(help="config.json form: transformers5 or hub")] = "transformers5",
-        force: Annotated[bool, typer.Option(help="overwrite a checkpoint already in --out")] = False,
-        tokenizer: Annotated[Path | None, typer.Option(
-            help="copy tokenizer.json/tokenizer_config.json from this folder instead of building one")] = None,
-    ) -> None:
-        """Write a random-weight Hugging Face checkpoint (config, safetensors, tokenizer)."""
-        root = make_model(preset, out, seed=seed, dtype=dtype, config_form=config_form, force=force,
-                          tokenizer_dir=tokenizer)
-        p = get_preset(preset)
-        typer.echo(f"wrote {p.name} ({param_count(p):,} parameters) to {root}")

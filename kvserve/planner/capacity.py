@@ -82,12 +82,16 @@ def build_ledger(s: Settings, hw: HardwareSpec | None, weights_bytes: int, model
     return Ledger(hw.memory_bytes, s.utilization, engine, weights_bytes, per_gpu, reserve, budget, False)
 
 
-def pool(ledger: Ledger, kv: KVModel, s: Settings) -> KVCapacity:
-    """The engine's block pool for this budget (the same call the engine makes)."""
+def pool(ledger: Ledger, kv: KVModel, s: Settings, window: tuple[int, int] = (0, 0)) -> KVCapacity:
+    """The engine's block pool for this budget (the same call the engine makes); ``window`` is the
+    full-precision window (blocks, bytes each) a lossy KV codec sets aside first."""
     try:
-        return capacity_for_budget(ledger.kv_budget_bytes, kv.bytes_per_token, s.block_size, s.max_model_len)
-    except ValueError:
+        return capacity_for_budget(ledger.kv_budget_bytes, kv.bytes_per_token, s.block_size, s.max_model_len,
+                                   *window)
+    except ValueError as exc:
         block = kv.bytes_per_token * s.block_size
+        if window[0] and ledger.kv_budget_bytes >= block:
+            raise DoesNotFit(str(exc)) from None  # the full-precision window takes the budget
         raise DoesNotFit(
             f"the KV budget {fmt_bytes(ledger.kv_budget_bytes)} is smaller than one block "
             f"({block:,} B = {s.block_size} tokens × {kv.bytes_per_token:,} B) by "

@@ -15,12 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.kv.layout import (
+    DEFAULT_INT4_GROUP,
     KV_DTYPES,
+    int4_group_size,
     int4_scale_bytes,
     kv_bytes_per_token,
     mla_kv_bytes_per_token,
     model_kv_bytes_per_token,
+    side_bytes_per_head,
+    split_kv_dtype,
+    window_blocks,
 )
+from kvserve.planner.inputs import Settings
 from kvserve.planner.model_spec import ModelSpec
 
 
@@ -82,9 +88,13 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
     raise ValueError(f"--tp {tp} must divide num_key_value_heads ({kv}) or be a multiple of it")
 
 
-def _per_head_text(dtype: str, width: int) -> tuple[str, float]:
+def _per_head_text(dtype: str, width: int, group: int = DEFAULT_INT4_GROUP) -> tuple[str, float]:
+    k, v = split_kv_dtype(dtype)
+    if k != v:  # different key and value codecs: the average of the two per-head costs
+        per = (side_bytes_per_head(k, "k", width, group) + side_bytes_per_head(v, "v", width, group)) / 2
+        return f"({k} K + {v} V) / 2 = {per:g} B", per
     spec = KV_DTYPES[dtype]
-    scale = spec.scale_bytes_per_head + (int4_scale_bytes(width) if dtype == "int4" else 0.0)
+    scale = spec.scale_bytes_per_head + (int4_scale_bytes(width, group) if dtype == "int4" else 0.0)
     elem = spec.element_bits / 8
     elem_text = f"{elem:g} byte{'s' if elem != 1 else ''}"
     if scale:
@@ -92,28 +102,31 @@ def _per_head_text(dtype: str, width: int) -> tuple[str, float]:
     return f"{width} × {elem_text}", width * elem
 
 
-def _group_bytes(spec: ModelSpec, layers: int, heads: int, kv_dtype: str) -> int:
+def _group_bytes(spec: ModelSpec, layers: int, heads: int, kv_dtype: str, group: int = DEFAULT_INT4_GROUP) -> int:
     if spec.mla is not None:
         return mla_kv_bytes_per_token(layers, spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, kv_dtype)
-    return kv_bytes_per_token(layers, heads, spec.head_dim, kv_dtype)
+    return kv_bytes_per_token(layers, heads, spec.head_dim, kv_dtype, group)
 
 
-def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int | None = None) -> KVModel:
+def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int | None = None,
+                   block_size: int | None = None) -> KVModel:
     """KV cost of ``spec`` with canonical ``kv_dtype``; ``window_cap`` caps every layer's window
-    (a KV eviction window the operator chooses; lossy for a model trained without one)."""
+    (a KV eviction window the operator chooses; lossy for a model trained without one).
+    ``block_size`` sets int4's key group as the engine does (``min(32, block_size)``)."""
     heads = kv_heads_per_gpu(spec, tp)
+    group = int4_group_size(block_size) if block_size is not None else DEFAULT_INT4_GROUP
     windows = [w if window_cap is None else min(w or window_cap, window_cap) for w in spec.layer_windows]
     counts: dict[int | None, int] = {}
     for w in windows:
         counts[w] = counts.get(w, 0) + 1
     groups = tuple(
-        LayerGroup(n, w, _group_bytes(spec, n, heads, kv_dtype))
+        LayerGroup(n, w, _group_bytes(spec, n, heads, kv_dtype, group))
         for w, n in sorted(counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
     )
     if spec.engine_config is not None and tp == 1:
-        per_token = model_kv_bytes_per_token(spec.engine_config, kv_dtype)  # the engine's own figure
+        per_token = model_kv_bytes_per_token(spec.engine_config, kv_dtype, block_size)  # the engine's own figure
     else:
-        per_token = _group_bytes(spec, spec.num_layers, heads, kv_dtype)
+        per_token = _group_bytes(spec, spec.num_layers, heads, kv_dtype, group)
     if spec.mla is not None:
         width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
         head_text, _ = _per_head_text(kv_dtype, width)
@@ -125,7 +138,7 @@ def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int 
         if "scales" in head_text:
             formula = f"{spec.num_layers} layers × {head_text} = {per_token:,} B/token (MLA latent)"
     else:
-        head_text, _ = _per_head_text(kv_dtype, spec.head_dim)
+        head_text, _ = _per_head_text(kv_dtype, spec.head_dim, group)
         formula = (
             f"2 (K,V) × {spec.num_layers} layers × {heads} KV heads × {head_text} = {per_token:,} B/token"
         )
@@ -133,3 +146,18 @@ def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int 
         if g.window is not None:
             formula += f"; {g.num_layers} layers windowed to {g.window:,} tokens"
     return KVModel(kv_dtype, tp, heads, per_token, groups, formula)
+
+
+def fp_window_block_bytes(spec: ModelSpec, s: Settings, kv: KVModel) -> tuple[int, int]:
+    """(blocks, bytes per block) of the full-precision window the engine sets aside for a lossy KV
+    codec (:func:`kvserve.kv.layout.window_blocks`, at the engine's default ``kv_quant_min_tokens``);
+    (0, 0) for float KV or MLA."""
+    from kvserve.config import CacheConfig
+
+    engine = CacheConfig()  # the engine's defaults: the planner has no quantization options
+    blocks = window_blocks(s.kv_dtype, s.block_size, s.max_num_seqs, engine.kv_quant_min_tokens,
+                           engine.kv_quant_sink_tokens)
+    if not blocks or spec.mla is not None:
+        return 0, 0
+    float_dtype = s.weight_dtype if s.weight_dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+    return blocks, s.block_size * kv_bytes_per_token(spec.num_layers, kv.kv_heads_per_gpu, spec.head_dim, float_dtype)

@@ -23,7 +23,7 @@ from kvserve.planner.capacity import (
 )
 from kvserve.planner.hardware import HardwareSpec, resolve_hardware
 from kvserve.planner.inputs import PlanRequest, Settings, resolve_settings
-from kvserve.planner.kv_model import KVModel, build_kv_model
+from kvserve.planner.kv_model import KVModel, build_kv_model, fp_window_block_bytes
 from kvserve.planner.loader import load_model
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.planner.params import ParamCount, count_parameters, weights_bytes
@@ -107,9 +107,9 @@ def build_plan(req: PlanRequest) -> Plan:
     weights = (
         s.weights_memory if s.weights_memory is not None else weights_bytes(params.total, s.weight_dtype)
     )
-    kv = build_kv_model(spec, s.kv_dtype, s.tp, s.sliding_window)
+    kv = build_kv_model(spec, s.kv_dtype, s.tp, s.sliding_window, s.block_size)
     ledger = build_ledger(s, hw, weights, spec.name)
-    kv_pool = pool(ledger, kv, s)
+    kv_pool = pool(ledger, kv, s, fp_window_block_bytes(spec, s, kv))
     fit = fit_check(ledger.kv_budget_bytes, kv, s)
     perf = None
     if hw is not None:

@@ -40,7 +40,7 @@ def write_plots(plan: Plan, out_dir: str | Path) -> list[Path]:
     dtypes = [d for d in PLOT_DTYPES if d in KV_DTYPES]
     if s.kv_dtype not in dtypes:
         dtypes.insert(0, s.kv_dtype)
-    models = {d: build_kv_model(plan.spec, d, s.tp, s.sliding_window) for d in dtypes}
+    models = {d: build_kv_model(plan.spec, d, s.tp, s.sliding_window, s.block_size) for d in dtypes}
     title = f"{plan.spec.name}" + (f", tp {s.tp}" if s.tp > 1 else "")
     if s.sliding_window is not None:
         title += f", KV window {s.sliding_window:,}"

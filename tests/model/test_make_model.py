@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvserve.config import ModelConfig
 from kvserve.kv.layout import model_kv_bytes_per_token
-from kvserve.model import make_model as make_model_module
+from kvserve.model import cli_make_model
 from kvserve.model.loader import load_model, load_tokenizer
 from kvserve.model.make_model import make_model, param_count
 from kvserve.model.presets import PRESETS, get_preset
@@ -171,7 +171,7 @@ def test_tokenizer_too_big_for_preset_vocab_is_refused(tmp_path: Path, tiny_chec
 
 def test_cli_make_model(tmp_path: Path) -> None:
     app = typer.Typer()
-    make_model_module.register(app)
+    cli_make_model.register(app)
     app.command("noop")(lambda: None)  # a second command keeps typer in sub-command mode
     result = CliRunner().invoke(app, ["make-model", "--preset", "tiny-mistral", "--out", str(tmp_path / "m"),
                                       "--seed", "3", "--dtype", "bf16"])

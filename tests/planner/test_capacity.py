@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.config import ModelConfig, parse_size
-from kvserve.kv.layout import capacity_for_budget, model_kv_bytes_per_token
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig, parse_size
+from kvserve.engine.memory import kv_capacity
+from kvserve.kv.layout import capacity_for_budget, model_kv_bytes_per_token, resolve_kv_dtype
 from kvserve.planner.capacity import DoesNotFit, max_context, max_sequences
 from kvserve.planner.inputs import PlanRequest
 from kvserve.planner.kv_model import build_kv_model
@@ -28,23 +31,21 @@ def test_planner_pool_equals_engine_sizing(
     budget: str,  # type: ignore[no-untyped-def]
     block: int,
 ) -> None:
-    d = plan_json(
-        cli,
-        "--model",
-        str(tiny_ckpt),
-        "--kv-cache-memory",
-        budget,
-        "--kv-dtype",
-        kv_dtype,
-        "--block-size",
-        str(block),
-        "--max-model-len",
-        "512",
-    )
+    args = ("--model", str(tiny_ckpt), "--kv-cache-memory", budget, "--kv-dtype", kv_dtype,
+            "--block-size", str(block), "--max-model-len", "512", "--max-num-seqs", "64")
     engine_cfg = ModelConfig.from_path(tiny_ckpt)
-    per_token = model_kv_bytes_per_token(engine_cfg, kv_dtype)
-    cap = capacity_for_budget(parse_size(budget), per_token, block, 512)
-    assert d["bytes_per_token"] == per_token
+    # The engine's own sizing (a lossy codec sets its full-precision window aside first).
+    cache = CacheConfig(block_size=block, kv_cache_memory=parse_size(budget), kv_cache_dtype=kv_dtype)
+    try:
+        cap = kv_capacity(engine_cfg, cache, resolve_kv_dtype(kv_dtype, engine_cfg.dtype), 512,
+                          torch.device("cpu"), 64)
+    except ValueError as exc:  # the engine cannot start: neither may the plan
+        r = cli(*args, "--json")
+        assert r.code == 2 and "window" in str(exc) and "window" in r.err
+        return
+    d = plan_json(cli, *args)
+    per_token = model_kv_bytes_per_token(engine_cfg, kv_dtype, block)  # exact for this block size
+    assert d["bytes_per_token"] == per_token == cap.bytes_per_token
     assert d["num_blocks"] == cap.num_blocks
     assert d["token_capacity"] == cap.token_capacity
     assert d["max_concurrency_at_max_len"] == cap.max_concurrency_at_max_len

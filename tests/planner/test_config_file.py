@@ -145,6 +145,7 @@ def test_engine_sizes_the_written_config_as_planned(cli, tiny_ckpt: Path, tmp_pa
             resolve_kv_dtype(e.cache.kv_cache_dtype, model_cfg.dtype),
             e.scheduler.max_model_len,
             torch.device("cpu"),
+            e.scheduler.max_num_seqs,  # sizes a lossy codec's full-precision window
         )
         assert (cap.num_blocks, cap.token_capacity, cap.bytes_per_token) == (
             d["num_blocks"],

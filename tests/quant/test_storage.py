@@ -228,15 +228,15 @@ def test_copy_on_write_copies_bytes_state_and_shadow() -> None:
 
 
 def test_a_small_window_reclaims_idle_shadows_and_seals_their_groups() -> None:
-    """Three sequences with unfinished int4 groups but a window of two (+1) blocks: the idle one
-    is sealed (its keys encoded over the tokens present) and still reads within int4 error."""
-    s = make_storage("int4", window=3, layers=1)
+    """Three sequences with unfinished int4 groups but a window of two blocks: the idle one is
+    sealed (its keys encoded over the tokens present) and still reads within int4 error."""
+    s = make_storage("int4", window=2, layers=1)
     d = Driver(s, seed=11)
     a, b, c = d.new_seq(16), d.new_seq(16), d.new_seq(16)
     d.step([(a, 2)])
     d.step([(b, 2)])
     d.step([(c, 2)])      # a (least recently used) loses its shadow: sealed
-    assert s.num_shadows <= 3
+    assert s.num_shadows == 2
     assert a.table[0] not in s.shadow_of
     k, _ = d.read(a, 0)
     x = a.keys[0]
@@ -246,7 +246,7 @@ def test_a_small_window_reclaims_idle_shadows_and_seals_their_groups() -> None:
     d.step([(a, 3)])      # a resumes: unsealed into a shadow, finishes its group, keeps going
     k, _ = d.read(a, 0)
     assert k.shape == (5, KVH, D) and torch.isfinite(k).all()
-    assert torch.equal(k[BS:], x.new_tensor(a.keys[0][BS:]))  # its new unfinished group: exact
+    assert torch.equal(k[BS:], a.keys[0][BS:])  # its new unfinished group: exact
 
 
 def test_window_exhausted_by_one_step_raises() -> None:

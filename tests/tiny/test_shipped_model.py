@@ -93,10 +93,9 @@ def test_kvserve_greedy_tokens_match_transformers(loaded) -> None:
                                        tokenize=False) for p in PROMPTS[:2]]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
     llm = llm_mod.LLM(model=default_model_path(), dtype="float32", kv_cache_memory="16MiB")
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids],
-                        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    # Both stop at the model's EOS ids (generation_config.json); both include the EOS token.
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=32, temperature=0))
     for prompt_ids, out in zip(ids, outs, strict=True):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, min_new_tokens=32,
-                                 do_sample=False, pad_token_id=0)
+            ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt_ids):].tolist()

@@ -1,0 +1,220 @@
+"""KV codecs side by side: decode time and tokens held per GiB, against bf16, in one run.
+
+On the random-weight Qwen2.5-0.5B-shaped checkpoint (made once with ``kvserve make-model``), one
+engine per codec (quantized from the first token: ``kv_quant_min_tokens=0``). For each codec,
+``--batch`` sequences are prefilled to each context in ``--contexts`` (extending the same
+sequences: 256 → 1024 → 4096) and then decode ``--steps`` tokens each, one token per sequence per
+step, as the engine's runner does. Reported per codec and context:
+
+* ``step_ms``: median wall time of one decode step (the whole model, logits included);
+* ``ms_per_token``: ``step_ms / batch``;
+* ``attn_ms``: median time of layer 0's paged attention in such a step (write + gather/decode +
+  SDPA), isolating the KV read path the codec changes;
+* ratios of each against bf16 at the same context;
+* ``bytes_per_token`` and ``tokens_per_gib`` (``2^30 // bytes_per_token``), and their ratio to bf16.
+
+    python benchmarks/kv_quant.py                         # contexts 256,1024,4096; batch 4
+    python benchmarks/kv_quant.py --quick                 # batch 2, contexts 256,1024, 4 steps
+
+The machine is shared and noisy (2 cores, other jobs running): figures are medians, and the
+ratios against bf16 (measured in the same run, interleaved per context) are what to read.
+Prints a table and writes JSON (default ``benchmarks/results/kv_quant.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "benchmarks" / ".cache"
+sys.path.insert(0, str(ROOT))
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from kvserve.engine.engine import LLMEngine  # noqa: E402
+from kvserve.model import attention  # noqa: E402
+from kvserve.request import Request, RequestStatus  # noqa: E402
+from kvserve.sampling_params import SamplingParams  # noqa: E402
+from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput  # noqa: E402
+
+DEFAULT_CODECS = ("bf16", "fp8", "int8", "int4", "k:int8,v:int4")
+
+
+def ensure_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "kvserve.cli", "make-model", "--preset", "qwen2.5-0.5b",
+                        "--out", str(path)], check=True)
+    return path
+
+
+class Driver:
+    """Feeds ``batch`` sequences through an engine's KV manager and runner directly."""
+
+    def __init__(self, engine: LLMEngine, batch: int, vocab: int, seed: int = 0) -> None:
+        self.engine = engine
+        g = torch.Generator().manual_seed(seed)
+        self.reqs = [Request(f"b{i}", torch.randint(10, vocab, (1,), generator=g).tolist(),
+                             SamplingParams(max_tokens=1)) for i in range(batch)]
+        self.g = g
+        self.vocab = vocab
+
+    def _step(self, n: int, logits: bool) -> float:
+        chunks = []
+        for r in self.reqs:
+            missing = r.num_computed_tokens + n - r.num_tokens
+            if missing > 0:
+                r.prompt_token_ids.extend(torch.randint(10, self.vocab, (missing,), generator=self.g).tolist())
+            if not self.engine.kv.allocate_slots(r, n):
+                raise RuntimeError("KV pool too small for the benchmark; raise --kv-cache-memory")
+            chunks.append(ScheduledChunk(r, r.num_computed_tokens, n, tuple(self.engine.kv.block_table(r.request_id)),
+                                         False))
+        out = SchedulerOutput(chunks, block_copies=self.engine.kv.take_pending_copies())
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if logits:
+                self.engine.runner.score(out)
+            else:
+                self.engine.runner.forward(out)
+        dt = time.perf_counter() - t0
+        for r in self.reqs:
+            r.num_computed_tokens += n
+        return dt
+
+    def prefill_to(self, context: int, chunk: int = 512) -> None:
+        while self.reqs[0].num_computed_tokens < context:
+            self._step(min(chunk, context - self.reqs[0].num_computed_tokens), logits=False)
+
+    def decode(self, steps: int) -> list[float]:
+        return [self._step(1, logits=True) for _ in range(steps)]
+
+    def close(self) -> None:
+        for r in self.reqs:
+            r.status = RequestStatus.FINISHED_ABORTED
+            self.engine.kv.free(r)
+
+
+class AttentionTimer:
+    """Wraps ``paged_attention`` to time layer 0's call (the first call of each forward)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._orig = attention.paged_attention
+        self._layer = 0
+
+    def __enter__(self) -> AttentionTimer:
+        import kvserve.model.llama as llama
+
+        def timed(q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def]
+            first = meta._plan is None  # layer 0 builds the step plan
+            t0 = time.perf_counter()
+            out = self._orig(q, k, v, kv_cache, meta, scale)
+            if first:
+                self.times.append(time.perf_counter() - t0)
+            return out
+
+        self._llama = llama
+        llama.paged_attention = timed  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._llama.paged_attention = self._orig  # type: ignore[assignment]
+
+
+def run_codec(model: Path, codec: str, contexts: list[int], batch: int, steps: int, memory: int,
+              threads: int | None) -> dict[str, object]:
+    cache = CacheConfig(block_size=16, kv_cache_memory=memory, kv_cache_dtype=codec, enable_prefix_caching=False,
+                        kv_quant_min_tokens=0)
+    sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096, max_model_len=max(contexts) + steps + 8)
+    engine = LLMEngine(EngineConfig(model=str(model), cache=cache, scheduler=sched, num_threads=threads))
+    cap = engine.capacity
+    assert engine.runner.kv_bytes == cap.allocated_bytes
+    drv = Driver(engine, batch, min(engine.model_config.vocab_size, 50000))
+    per_ctx: dict[str, object] = {}
+    try:
+        for ctx in contexts:
+            drv.prefill_to(ctx)
+            drv.decode(1)  # warm-up at this context
+            with AttentionTimer() as at:
+                times = drv.decode(steps)
+            step = statistics.median(times) * 1e3
+            per_ctx[str(ctx)] = {"step_ms": step, "ms_per_token": step / batch,
+                                 "attn_ms": statistics.median(at.times) * 1e3}
+            print(f"  {codec:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) "
+                  f"{per_ctx[str(ctx)]['attn_ms']:.2f} ms", file=sys.stderr, flush=True)
+    finally:
+        drv.close()
+    return {"kv_dtype": engine.kv_dtype, "bytes_per_token": cap.bytes_per_token,
+            "tokens_per_gib": 2**30 // cap.bytes_per_token, "window_bytes": cap.window_bytes,
+            "contexts": per_ctx}
+
+
+def add_ratios(results: dict[str, dict[str, object]], base: str) -> None:
+    ref = results[base]
+    for r in results.values():
+        r["tokens_per_gib_vs_bf16"] = r["tokens_per_gib"] / ref["tokens_per_gib"]  # type: ignore[operator]
+        for ctx, m in r["contexts"].items():  # type: ignore[union-attr]
+            b = ref["contexts"][ctx]  # type: ignore[index]
+            m["step_vs_bf16"] = m["step_ms"] / b["step_ms"]
+            m["attn_vs_bf16"] = m["attn_ms"] / b["attn_ms"]
+
+
+def table(results: dict[str, dict[str, object]], contexts: list[int]) -> str:
+    head = f"{'codec':<16} {'B/token':>8} {'tok/GiB':>9} {'×bf16':>6}"
+    for c in contexts:
+        head += f" | ctx {c:>5}: {'ms/tok':>7} {'×bf16':>6} {'attn ms':>7} {'×bf16':>6}"
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        line = f"{name:<16} {r['bytes_per_token']:>8} {r['tokens_per_gib']:>9} {r['tokens_per_gib_vs_bf16']:>6.2f}"
+        for c in contexts:
+            m = r["contexts"][str(c)]  # type: ignore[index]
+            line += (f" | {'':>10} {m['ms_per_token']:>7.1f} {m['step_vs_bf16']:>6.2f} "
+                     f"{m['attn_ms']:>7.2f} {m['attn_vs_bf16']:>6.2f}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=CACHE / "qwen2.5-0.5b")
+    ap.add_argument("--codecs", default=";".join(DEFAULT_CODECS), help="';'-separated KV codecs; bf16 first")
+    ap.add_argument("--contexts", default="256,1024,4096")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps measured per context")
+    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "kv_quant.json")
+    a = ap.parse_args(argv)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    if a.quick:
+        a.batch, a.steps, contexts = 2, 4, [c for c in contexts if c <= 1024]
+    codecs = [c.strip() for c in a.codecs.split(";") if c.strip()]
+    if codecs[0] != "bf16":
+        codecs.insert(0, "bf16")
+    model = ensure_model(a.model)
+    results: dict[str, dict[str, object]] = {}
+    t0 = time.time()
+    for codec in codecs:
+        print(f"{codec}:", file=sys.stderr, flush=True)
+        results[codec] = run_codec(model, codec, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads)
+        gc.collect()
+    add_ratios(results, "bf16")
+    print(table(results, contexts))
+    doc = {"model": str(model), "batch": a.batch, "steps": a.steps, "contexts": contexts,
+           "threads": torch.get_num_threads(), "wall_s": round(time.time() - t0, 1), "codecs": results}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    print(f"wrote {a.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

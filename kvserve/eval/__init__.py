@@ -1,0 +1,1 @@
+"""Quality evaluations run through the engine (``kvserve eval …``)."""

@@ -1,0 +1,160 @@
+"""Lossy KV through the whole engine, on a tiny random-weight Llama (fp32, block size 4).
+
+Random weights attend almost uniformly, so these tests check mechanics (bytes, identity, policy,
+mixing, leaks), not quality; the quality gate uses the trained model (test_quality_gate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.engine.llm import LLM
+from kvserve.kv.layout import kv_block_bytes, resolve_kv_dtype
+from kvserve.sampling_params import SamplingParams
+from tests.engine.conftest import write_tiny_llama
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 13, 200, 17, 42, 7, 99, 3, 11, 60], [8, 8, 300, 12, 4, 77, 1000], [31, 41, 59, 26, 53, 58, 97, 93, 23]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-kvq"))
+
+
+def make(tiny: Path, kv: str = "auto", **kw: object) -> LLM:
+    kw.setdefault("kv_cache_memory", "2MiB")
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(tiny, kv_cache_dtype=kv, block_size=4, num_threads=1, **kw)  # type: ignore[arg-type]
+
+
+def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS, **kw: object) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, **kw)  # type: ignore[arg-type]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    eng = llm.engine
+    eng.kv.check()
+    eng.runner.storage.check()
+    assert eng.kv.usage().used == 0
+    assert eng.runner.kv_bytes == eng.capacity.allocated_bytes
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4", "k:int8,v:int4"])
+def test_engine_bytes_equal_storage_and_capacity_grows(tiny: Path, kv: str) -> None:
+    ref = make(tiny, "auto")
+    llm = make(tiny, kv)
+    cap = llm.engine.capacity
+    name = resolve_kv_dtype(kv)
+    assert cap.bytes_per_token * 4 == kv_block_bytes(2, 2, 16, name, 4)
+    assert llm.engine.runner.kv_bytes == cap.allocated_bytes <= cap.budget_bytes
+    assert cap.token_capacity > 1.5 * ref.engine.capacity.token_capacity  # head_dim 16: scales weigh more
+    if "int4" in kv and kv != "k:int8,v:int4":
+        assert cap.window_blocks == 4 * 3  # max_num_seqs × (unfinished group, previous block, sinks)
+    assert cap.summary() in llm.engine.capacity.summary()
+
+
+def test_unknown_codec_is_rejected_with_the_valid_list(tiny: Path) -> None:
+    with pytest.raises(ValueError, match=r"valid: auto, .*int4.*int8"):
+        make(tiny, "int3")
+    llm = make(tiny, "int8")
+    with pytest.raises(ValueError, match="valid"):
+        llm.engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, kv_cache_dtype="nf4")
+    with pytest.raises(ValueError, match="more bytes per block"):
+        llm.engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, kv_cache_dtype="fp32")
+    assert not llm.engine.has_unfinished_requests()  # nothing was queued
+
+
+def test_full_precision_below_the_threshold_equals_float_kv(tiny: Path) -> None:
+    """kv_quant_min_tokens above every sequence: int8 storage, but every read is full precision,
+    so the tokens equal the float engine's exactly; from 0, int8 reads are used."""
+    ref = tokens(make(tiny, "auto"))
+    lazy = make(tiny, "int8", kv_quant_min_tokens=64)
+    assert tokens(lazy) == ref
+    assert_no_leaks(lazy)
+    eager = make(tiny, "int8")
+    assert eager.engine.capacity.window_blocks == 0
+    assert tokens(eager) is not None
+
+
+def test_mixed_codecs_in_one_batch_equal_their_own_engines(tiny: Path) -> None:
+    """A float pool serving a default, an int8 and an fp8 request in the same steps: each request's
+    tokens equal those of an engine whose whole pool uses its codec."""
+    mixed = make(tiny, "auto")
+    eng = mixed.engine
+    ids = [eng.add_request({"prompt_token_ids": p}, GREEDY, kv_cache_dtype=kv)
+           for p, kv in zip(PROMPTS, [None, "int8", "fp8"])]
+    done = {o.request_id: o.outputs[0].token_ids for o in eng.run_until_done()}
+    assert len(eng.runner.storage.pairs_used) == 3
+    for rid, prompt, kv in zip(ids, PROMPTS, ["auto", "int8", "fp8"]):
+        assert done[rid] == tokens(make(tiny, kv), [prompt])[0]
+    assert_no_leaks(mixed)
+
+
+def test_the_codec_is_part_of_prefix_identity(tiny: Path) -> None:
+    llm = make(tiny, "auto")
+    prompt = {"prompt_token_ids": list(range(40, 61))}
+    first = llm.generate(prompt, GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate(prompt, GREEDY)[0]
+    assert second.num_cached_tokens == 20  # same codec: five full blocks hit
+    eng = llm.engine
+    rid = eng.add_request(prompt, GREEDY, kv_cache_dtype="int8")
+    out = {o.request_id: o for o in eng.run_until_done()}[rid]
+    assert out.num_cached_tokens == 0  # a float block is never read as int8 …
+    rid = eng.add_request(prompt, GREEDY, kv_cache_dtype="int8")
+    again = {o.request_id: o for o in eng.run_until_done()}[rid]
+    assert again.num_cached_tokens == 20  # … but int8 blocks are, by int8 requests
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    rid = eng.add_request(prompt, GREEDY, kv_cache_dtype="auto")  # the engine's own codec, spelt out
+    assert {o.request_id: o for o in eng.run_until_done()}[rid].num_cached_tokens == 20
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kv", ["int4", "int8"])
+def test_prefix_hits_read_fully_encoded_blocks(tiny: Path, kv: str) -> None:
+    """A hit reads blocks some other request finished: its tokens equal a run without caching
+    (so full blocks held complete codec data, int4 key groups included)."""
+    cached = make(tiny, kv, kv_quant_sink_tokens=2 if kv == "int4" else 0)
+    long = [list(range(100, 123))]
+    a = tokens(cached, long)
+    b = tokens(cached, long)
+    uncached = make(tiny, kv, enable_prefix_caching=False, kv_quant_sink_tokens=2 if kv == "int4" else 0)
+    assert a == tokens(uncached, long)
+    assert b[0][:4] == a[0][:4]  # same prefix, same codec; sinks are re-read from the cache (int4)
+    assert cached.engine.stats().prefix_hits >= 20
+    assert_no_leaks(cached)
+
+
+def test_sessions_forks_and_preemption_with_int4(tiny: Path) -> None:
+    """The paths that move or copy blocks (sessions, n > 1 copy-on-write, preemption) under int4
+    with sinks and a threshold: every request finishes, bookkeeping stays consistent, no leaks."""
+    llm = make(tiny, "int4", kv_cache_memory="40KiB", kv_quant_min_tokens=8, kv_quant_sink_tokens=2,
+               max_num_seqs=3, max_num_batched_tokens=16)
+    for turn in range(3):
+        out = llm.generate({"prompt_token_ids": [7 + turn, 8, 9, 10, 11]}, GREEDY, session_id="s")[0]
+        assert len(out.outputs[0].token_ids) == 12
+    llm.close_session("s")
+    many = llm.generate([{"prompt_token_ids": p * 3} for p in PROMPTS],
+                        SamplingParams(temperature=0.8, n=2, max_tokens=20, seed=1, ignore_eos=True))
+    assert all(len(c.token_ids) == 20 for o in many for c in o.outputs)
+    assert llm.engine.stats().num_preemptions > 0  # the pool was tight enough to preempt
+    assert_no_leaks(llm)
+
+
+def test_min_tokens_needs_room_for_its_window(tiny: Path) -> None:
+    with pytest.raises(ValueError, match="window"):
+        make(tiny, "int8", kv_cache_memory="64KiB", kv_quant_min_tokens=4096, max_num_seqs=64)
