@@ -161,11 +161,15 @@ class ModelConfig:
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.exists():
             raise FileNotFoundError(f"no config.json at {cfg_file}; pass a Hugging Face checkpoint folder")
-        try:
-            data = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
-        return cls.from_hf_dict(data)
+        return cls.from_hf_dict(read_json(cfg_file))
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; malformed JSON is a one-line ValueError naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
 def _qwen_sliding_window(cfg: dict[str, Any], layers: int) -> int | None:
@@ -208,7 +212,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
 
 
-def parse_size(value: str | int | float) -> int:
+def parse_size(value: str | float) -> int:
     """Parse ``"4GiB"``, ``"512MiB"``, ``"2GB"`` or a plain byte count into bytes (> 0)."""
     if isinstance(value, (int, float)):
         n = int(value)

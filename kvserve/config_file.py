@@ -25,7 +25,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size, read_json
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,7 @@ def read_config_file(path: str | Path) -> ConfigFile:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {p} not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p} is not valid JSON: {exc}") from None
+    data = read_json(p)
     if not isinstance(data, dict):
         raise ValueError(f"{p} must hold a JSON object")  # noqa: TRY004 - a user error, one line
     extras = _build(DeploymentExtras, data.get("extras", {}), f"{p}: extras")

@@ -95,12 +95,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, session_id: str | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+                 *, session_id: str | None = None, cache_salt: str | None = None,
+                 kv_cache_dtype: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. All prompts are
         checked before any is queued, so one bad prompt loses nothing.
 
         ``session_id`` (one prompt only) appends the prompt to that session's history and reuses
-        its KV; ``cache_salt`` keeps prefix-cache hits within one tenant."""
+        its KV; ``cache_salt`` keeps prefix-cache hits within one tenant; ``kv_cache_dtype``
+        overrides the engine's KV codec for these prompts (docs/kv-quant.md)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -110,7 +112,8 @@ class LLM:
         if session_id is not None:
             if len(prompts) != 1:
                 raise ValueError("session_id continues one conversation: pass exactly one prompt")
-            rid = self.engine.add_request(prompts[0], params[0], session_id=session_id, cache_salt=cache_salt)
+            rid = self.engine.add_request(prompts[0], params[0], session_id=session_id, cache_salt=cache_salt,
+                                          kv_cache_dtype=kv_cache_dtype)
             return [self._run([rid])[0]]
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
@@ -118,7 +121,10 @@ class LLM:
                 self.engine.scheduler.validate(len(ids), sp.max_tokens)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-        return self._run([self.engine.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)])
+        if kv_cache_dtype is not None:
+            self.engine._request_codec(kv_cache_dtype)  # refuse a bad codec before queuing anything
+        return self._run([self.engine.add_request(p, sp, cache_salt=cache_salt, kv_cache_dtype=kv_cache_dtype)
+                          for p, sp in zip(prompts, params)])
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done = {o.request_id: o for o in self.engine.run_until_done()}

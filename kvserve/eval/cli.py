@@ -27,6 +27,7 @@ def kv(
     group_size: Annotated[int | None, typer.Option(help="int4 key group (default min(32, block size)).")] = None,
     block_size: Annotated[int, typer.Option()] = 16,
     dtype: Annotated[str, typer.Option(help="Model dtype (auto: the checkpoint's).")] = "auto",
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: one per physical core).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
 ) -> None:
     """Perplexity, ΔPPL, KL, top-1 and greedy agreement and bytes/token per KV codec."""
@@ -36,7 +37,8 @@ def kv(
     names = tuple(c.strip() for c in codecs.split(";") if c.strip())
     cfg = EvalConfig(model=resolve_model_path(model), codecs=names, texts=texts, max_tokens=max_tokens, chunk=chunk,
                      greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens, min_tokens=min_tokens,
-                     sink_tokens=sink_tokens, group_size=group_size, block_size=block_size, dtype=dtype)
+                     sink_tokens=sink_tokens, group_size=group_size, block_size=block_size, dtype=dtype,
+                     num_threads=threads)
     report = run_eval(cfg, log=lambda s: print(s, file=sys.stderr))
     print(format_table(report))
     doc = report.to_json()

@@ -55,6 +55,7 @@ class EvalConfig:
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20
     dtype: str = "auto"
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("texts", "max_tokens", "chunk", "prompt_tokens", "block_size"):
@@ -100,7 +101,8 @@ def make_engine(cfg: EvalConfig, codec: str) -> LLMEngine:
     n = max(cfg.texts, cfg.greedy_prompts, 1)
     sched = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(512, n * cfg.chunk),
                             max_model_len=max(cfg.max_tokens, cfg.prompt_tokens + cfg.greedy_tokens) + 1)
-    return LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, cache=cache, scheduler=sched))
+    return LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, cache=cache, scheduler=sched,
+                                  num_threads=cfg.num_threads))
 
 
 def teacher_forced_logprobs(engine: LLMEngine, sequences: Sequence[list[int]], chunk: int = 1) -> list[torch.Tensor]:

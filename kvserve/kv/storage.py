@@ -126,6 +126,7 @@ class _TokenWrite:
     rows: torch.Tensor
     blocks: torch.Tensor
     offsets: torch.Tensor
+    all_rows: bool  # rows == 0..T-1: index nothing
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,9 @@ class KVStorage:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=dev)
 
-        token_writes = {pid: _TokenWrite(t(w.rows), t(w.blocks), t(w.offsets)) for pid, w in writes.items()}
+        total = sum(len(w.rows) for w in writes.values())
+        token_writes = {pid: _TokenWrite(t(w.rows), t(w.blocks), t(w.offsets), w.rows == list(range(total)))
+                        for pid, w in writes.items()}
         finalize = [(pid, _Finalize(t(b), t(r), None)) for pid, (b, r) in direct.items()]
         finalize += [(pid, _Finalize(t(b), None, t(s))) for pid, (b, s) in from_shadow.items()]
         if sh_rows:
@@ -556,9 +559,16 @@ class LayerKV:
             raise RuntimeError("KVStorage.begin_step must run before a layer writes")
         for pid, w in plan.writes.items():
             pair = s.pairs[pid]
+            kw, vw = (k, v) if w.all_rows else (k[w.rows], v[w.rows])
+            if pair.joint:  # one encode for K and V together
+                both = pair.k.encode_tokens(torch.cat((kw, vw)))
+                n = kw.shape[0]
+                _put_tokens(s._pair_views(self.layer, pid, "k"), {f: t[:n] for f, t in both.items()}, w.blocks, w.offsets)
+                _put_tokens(s._pair_views(self.layer, pid, "v"), {f: t[n:] for f, t in both.items()}, w.blocks, w.offsets)
+                continue
             if not pair.k.grouped:
-                _put_tokens(s._pair_views(self.layer, pid, "k"), pair.k.encode_tokens(k[w.rows]), w.blocks, w.offsets)
-            _put_tokens(s._pair_views(self.layer, pid, "v"), pair.v.encode_tokens(v[w.rows]), w.blocks, w.offsets)
+                _put_tokens(s._pair_views(self.layer, pid, "k"), pair.k.encode_tokens(kw), w.blocks, w.offsets)
+            _put_tokens(s._pair_views(self.layer, pid, "v"), pair.v.encode_tokens(vw), w.blocks, w.offsets)
         if plan.shadow_rows is not None:
             shadow = s.shadows[self.layer]
             shadow[0].index_put_((plan.shadow_slots, plan.shadow_offsets), k[plan.shadow_rows].to(s.dtype))
@@ -609,7 +619,7 @@ class LayerKV:
         s = self.storage
         ids = block_ids.reshape(-1)
         tail = (s.block_size, s.kv_heads, s.head_dim)
-        if s.window_blocks and bool(s._has_shadow.any()):
+        if s.shadow_of:
             has = s._has_shadow.index_select(0, ids)
             if bool(has.all()) and bool((s._shadow_rows.index_select(0, ids) == s.block_size).all()):
                 # Every block read at full precision (a short sequence): no decode at all.

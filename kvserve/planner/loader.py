@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from kvserve.config import read_json
 from kvserve.planner.model_spec import ModelSpec, spec_from_hf_dict
 from kvserve.planner.presets import find_model
 
@@ -25,10 +25,7 @@ def load_model(arg: str) -> ModelSpec:
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}; pass a Hugging Face checkpoint folder")
-        try:
-            data = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
+        data = read_json(cfg_file)
         kind = "checkpoint" if path.is_dir() else "config"
         name = path.name if path.is_dir() else path.parent.name or cfg_file.name
         return spec_from_hf_dict(data, name, f"{kind} {cfg_file}")

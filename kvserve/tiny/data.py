@@ -73,9 +73,10 @@ def stdlib_root() -> Path:
 def source_files(root: Path | None = None) -> list[str]:
     """Relative POSIX paths of the stdlib's ``.py`` files, sorted.
 
-    Skipped: tests, site-packages, machine-specific ``_sysconfigdata*``, generated codec tables
-    (``encodings/cp1252.py`` and friends: a model learns nothing from them) and
-    ``pydoc_data/topics.py`` (it becomes topic conversations instead).
+    Skipped: tests, site-packages, machine-specific ``_sysconfigdata*`` and
+    ``pydoc_data/topics.py`` (it becomes topic conversations instead). Generated codec tables
+    (``encodings/cp1252.py`` and friends) are listed but give no conversations, see
+    :func:`file_conversations`.
     """
     root = root or stdlib_root()
     out: list[str] = []
@@ -229,7 +230,8 @@ def topic_conversations() -> list[Conversation]:
 
 
 def file_conversations(root: Path, relpath: str) -> list[Conversation]:
-    """The conversations of one source file (none for unreadable files and codec tables)."""
+    """The conversations of one source file; none for unreadable files and generated codec tables
+    (a model learns nothing from a 256-entry mapping table)."""
     text = _read(root, relpath)
     if text is None or _is_generated_table(text):
         return []

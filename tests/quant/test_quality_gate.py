@@ -5,9 +5,9 @@ full-precision KV and with each codec (``kvserve.eval.kv_quality``, fed a block 
 step so the gate stays fast; ``kvserve eval kv`` defaults to one token per step). Budgets:
 
 * int8 and fp8: mean KL(full ‖ codec) ≤ 1e-3 nats per token (the issue's gate);
-* int4 (KIVI: keys per channel over 16 tokens, values per token): mean KL ≤ INT4_KL_BUDGET, set
-  from the measurement on the final weights recorded in docs/kv-quant.md (with headroom for the
-  machine-to-machine float differences), and ΔPPL within ±INT4_PPL_BUDGET_PCT.
+* int4 (KIVI: keys per channel over 16 tokens, values per token): mean KL ≤ INT4_KL_BUDGET and
+  |ΔPPL| ≤ INT4_PPL_BUDGET_PCT, set from the measurement on the final weights (below and in
+  docs/kv-quant.md) with headroom for machine-to-machine float differences.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from kvserve.eval.kv_quality import EvalConfig, run_eval
 from kvserve.tiny import data
 
 INT8_FP8_KL_BUDGET = 1e-3
-INT4_KL_BUDGET = 2e-2
-INT4_PPL_BUDGET_PCT = 3.0
+# Measured on the final weights with exactly this test's setup: int8 2.7e-5, fp8 2.4e-4, int4 1.1e-3
+# (ΔPPL +0.5 %). The int4 budgets leave ~4x headroom: a broken codec (e.g. per-token int4 keys,
+# or a wrong scale) lands far above them.
+INT4_KL_BUDGET = 5e-3
+INT4_PPL_BUDGET_PCT = 2.0
 
 
 def heldout_sequences(tokenizer: object, count: int, length: int) -> list[list[int]]:
@@ -47,12 +50,15 @@ def heldout_sequences(tokenizer: object, count: int, length: int) -> list[list[i
 def report():  # type: ignore[no-untyped-def]
     from kvserve.model.loader import load_tokenizer
 
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
     model = str(default_model_path())
     seqs = heldout_sequences(load_tokenizer(model), 2, 192)
     cfg = EvalConfig(model=model, codecs=("fp8", "int8", "int4"), texts=2, max_tokens=192, chunk=16,
-                     greedy_prompts=0, greedy_tokens=0, kv_cache_memory=16 * 2**20)
-    return run_eval(cfg, sequences=seqs)
+                     greedy_prompts=0, greedy_tokens=0, kv_cache_memory=16 * 2**20, num_threads=1)
+    try:
+        yield run_eval(cfg, sequences=seqs)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_int8_and_fp8_kl_within_the_gate(report) -> None:  # type: ignore[no-untyped-def]
