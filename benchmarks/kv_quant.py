@@ -1,10 +1,11 @@
 """KV codecs side by side: decode time and tokens held per GiB, against bf16, in one run.
 
 On the random-weight Qwen2.5-0.5B-shaped checkpoint (made once with ``kvserve make-model``), one
-engine per codec (quantized from the first token: ``kv_quant_min_tokens=0``). For each codec,
-``--batch`` sequences are prefilled to each context in ``--contexts`` (extending the same
-sequences: 256 → 1024 → 4096) and then decode ``--steps`` tokens each, one token per sequence per
-step, as the engine's runner does. Reported per codec and context:
+engine per codec, all sharing the one loaded model (quantized from the first token:
+``kv_quant_min_tokens=0``). For each codec, ``--batch`` sequences are prefilled to each context in
+``--contexts`` (extending the same sequences: 256 → 1024 → 4096), then every codec decodes
+``--steps`` steps round-robin (one token per sequence per step, as the engine's runner does; the
+order rotates each round so background load hits all codecs alike). Reported per codec and context:
 
 * ``step_ms``: median wall time of one decode step (the whole model, logits included);
 * ``ms_per_token``: ``step_ms / batch``;
@@ -24,13 +25,13 @@ Prints a table and writes JSON (default ``benchmarks/results/kv_quant.json``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -38,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
 sys.path.insert(0, str(ROOT))
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from kvserve.engine.engine import LLMEngine  # noqa: E402
-from kvserve.model import attention  # noqa: E402
-from kvserve.request import Request, RequestStatus  # noqa: E402
-from kvserve.sampling_params import SamplingParams  # noqa: E402
-from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput  # noqa: E402
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.model import attention
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
 DEFAULT_CODECS = ("bf16", "fp8", "int8", "int4", "k:int8,v:int4")
 
@@ -109,8 +110,8 @@ class AttentionTimer:
         self._orig = attention.paged_attention
         self._layer = 0
 
-    def __enter__(self) -> AttentionTimer:
-        import kvserve.model.llama as llama
+    def __enter__(self) -> Self:
+        from kvserve.model import llama
 
         def timed(q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def]
             first = meta._plan is None  # layer 0 builds the step plan
@@ -128,32 +129,68 @@ class AttentionTimer:
         self._llama.paged_attention = self._orig  # type: ignore[assignment]
 
 
-def run_codec(model: Path, codec: str, contexts: list[int], batch: int, steps: int, memory: int,
-              threads: int | None) -> dict[str, object]:
-    cache = CacheConfig(block_size=16, kv_cache_memory=memory, kv_cache_dtype=codec, enable_prefix_caching=False,
-                        kv_quant_min_tokens=0)
-    sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096, max_model_len=max(contexts) + steps + 8)
-    engine = LLMEngine(EngineConfig(model=str(model), cache=cache, scheduler=sched, num_threads=threads))
-    cap = engine.capacity
-    assert engine.runner.kv_bytes == cap.allocated_bytes
-    drv = Driver(engine, batch, min(engine.model_config.vocab_size, 50000))
-    per_ctx: dict[str, object] = {}
+def make_engines(model: Path, codecs: list[str], contexts: list[int], batch: int, steps: int, memory: int,
+                 threads: int | None) -> dict[str, LLMEngine]:
+    """One engine per codec, all sharing one loaded model (same weights object, same memory)."""
+    import kvserve.engine.engine as engine_mod
+
+    loaded: dict[str, object] = {}
+    real_load = engine_mod.load_model
+
+    def load_once(path, dtype="auto", device="cpu"):  # type: ignore[no-untyped-def]
+        if "m" not in loaded:
+            loaded["m"] = real_load(path, dtype=dtype, device=device)
+        return loaded["m"]
+
+    engines = {}
+    engine_mod.load_model = load_once  # type: ignore[assignment]
+    try:
+        for codec in codecs:
+            cache = CacheConfig(block_size=16, kv_cache_memory=memory, kv_cache_dtype=codec,
+                                enable_prefix_caching=False, kv_quant_min_tokens=0)
+            sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096,
+                                    max_model_len=max(contexts) + 2 * steps + 8)
+            engines[codec] = LLMEngine(EngineConfig(model=str(model), cache=cache, scheduler=sched,
+                                                    num_threads=threads))
+            assert engines[codec].runner.kv_bytes == engines[codec].capacity.allocated_bytes
+    finally:
+        engine_mod.load_model = real_load  # type: ignore[assignment]
+    return engines
+
+
+def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, steps: int) -> dict[str, dict[str, object]]:
+    """Per context: prefill every codec's sequences, then decode round-robin across codecs (the
+    order rotates each round), so load from other jobs hits every codec alike."""
+    drivers = {c: Driver(e, batch, min(e.model_config.vocab_size, 50000)) for c, e in engines.items()}
+    results: dict[str, dict[str, object]] = {}
+    for codec, e in engines.items():
+        cap = e.capacity
+        results[codec] = {"kv_dtype": e.kv_dtype, "bytes_per_token": cap.bytes_per_token,
+                          "tokens_per_gib": 2**30 // cap.bytes_per_token, "window_bytes": cap.window_bytes,
+                          "contexts": {}}
+    names = list(engines)
     try:
         for ctx in contexts:
-            drv.prefill_to(ctx)
-            drv.decode(1)  # warm-up at this context
-            with AttentionTimer() as at:
-                times = drv.decode(steps)
-            step = statistics.median(times) * 1e3
-            per_ctx[str(ctx)] = {"step_ms": step, "ms_per_token": step / batch,
-                                 "attn_ms": statistics.median(at.times) * 1e3}
-            print(f"  {codec:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) "
-                  f"{per_ctx[str(ctx)]['attn_ms']:.2f} ms", file=sys.stderr, flush=True)
+            step_t: dict[str, list[float]] = {c: [] for c in names}
+            attn_t: dict[str, list[float]] = {c: [] for c in names}
+            for c in names:
+                drivers[c].prefill_to(ctx)
+                drivers[c].decode(1)  # warm-up at this context
+            for i in range(steps):
+                for c in names[i % len(names):] + names[:i % len(names)]:
+                    with AttentionTimer() as at:
+                        step_t[c].extend(drivers[c].decode(1))
+                    attn_t[c].extend(at.times)
+            for c in names:
+                step = statistics.median(step_t[c]) * 1e3
+                results[c]["contexts"][str(ctx)] = {  # type: ignore[index]
+                    "step_ms": step, "ms_per_token": step / batch, "attn_ms": statistics.median(attn_t[c]) * 1e3}
+                print(f"  {c:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) "
+                      f"{statistics.median(attn_t[c]) * 1e3:.2f} ms", file=sys.stderr, flush=True)
     finally:
-        drv.close()
-    return {"kv_dtype": engine.kv_dtype, "bytes_per_token": cap.bytes_per_token,
-            "tokens_per_gib": 2**30 // cap.bytes_per_token, "window_bytes": cap.window_bytes,
-            "contexts": per_ctx}
+        for d in drivers.values():
+            d.close()
+    return results
 
 
 def add_ratios(results: dict[str, dict[str, object]], base: str) -> None:
@@ -188,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per context")
-    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared machine OpenMP spinning swamps small ops)")
     ap.add_argument("--quick", action="store_true")
@@ -201,12 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     if codecs[0] != "bf16":
         codecs.insert(0, "bf16")
     model = ensure_model(a.model)
-    results: dict[str, dict[str, object]] = {}
     t0 = time.time()
-    for codec in codecs:
-        print(f"{codec}:", file=sys.stderr, flush=True)
-        results[codec] = run_codec(model, codec, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads)
-        gc.collect()
+    engines = make_engines(model, codecs, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads)
+    results = run_all(engines, contexts, a.batch, a.steps)
     add_ratios(results, "bf16")
     print(table(results, contexts))
     doc = {"model": str(model), "batch": a.batch, "steps": a.steps, "contexts": contexts,

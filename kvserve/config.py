@@ -246,7 +246,7 @@ class CacheConfig:
     # tokens (None: min(32, block_size)); int4 keeps a sequence's first kv_quant_sink_tokens exact.
     kv_quant_min_tokens: int = 0
     kv_quant_group_size: int | None = None
-    kv_quant_sink_tokens: int = 0
+    kv_quant_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -23,7 +23,7 @@ def kv(
     greedy_prompts: Annotated[int, typer.Option(help="Prompts for the greedy-agreement test.")] = 4,
     greedy_tokens: Annotated[int, typer.Option(help="Tokens generated per greedy prompt.")] = 256,
     min_tokens: Annotated[int, typer.Option(help="kv_quant_min_tokens (0: quantize from the start).")] = 0,
-    sink_tokens: Annotated[int, typer.Option(help="kv_quant_sink_tokens for int4.")] = 0,
+    sink_tokens: Annotated[int, typer.Option(help="kv_quant_sink_tokens for int4.")] = 4,
     group_size: Annotated[int | None, typer.Option(help="int4 key group (default min(32, block size)).")] = None,
     block_size: Annotated[int, typer.Option()] = 16,
     dtype: Annotated[str, typer.Option(help="Model dtype (auto: the checkpoint's).")] = "auto",

@@ -50,7 +50,7 @@ class EvalConfig:
     prompt_tokens: int = 64
     greedy_tokens: int = 256
     min_tokens: int = 0
-    sink_tokens: int = 0
+    sink_tokens: int = CacheConfig.kv_quant_sink_tokens
     group_size: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20

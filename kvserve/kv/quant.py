@@ -184,8 +184,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``[..., d/2]`` uint8 -> ``[..., d]`` codes in ``dtype``."""
-    return torch.cat(((packed & 0xF).to(dtype), (packed >> 4).to(dtype)), dim=-1)
+    """Inverse of :func:`pack_int4`: ``[..., d/2]`` uint8 -> ``[..., d]`` codes in ``dtype``
+    (written straight into the two halves of the result: no concatenation pass)."""
+    h = packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], 2 * h), dtype=dtype, device=packed.device)
+    out[..., :h].copy_(packed & 0xF)
+    out[..., h:].copy_(packed >> 4)
+    return out
 
 
 _FP16_MAX = 65504.0
@@ -223,8 +228,8 @@ class Int4TokenCodec(Codec):
         return {"scale": scale, "zero": zero, "q": pack_int4(q)}
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
-        q = unpack_int4(fields["q"], dtype)
-        return torch.addcmul(fields["zero"].to(dtype)[..., None], q, fields["scale"].to(dtype)[..., None])
+        q = unpack_int4(fields["q"], dtype)  # a fresh tensor: scaled in place (addcmul's broadcast is slow on CPU)
+        return q.mul_(fields["scale"].to(dtype)[..., None]).add_(fields["zero"].to(dtype)[..., None])
 
 
 class Int4ChannelCodec(Codec):
@@ -274,8 +279,8 @@ class Int4ChannelCodec(Codec):
         m, bs, kvh, d = q.shape
         g = fields["scale"].shape[1]
         q = q.view(m, g, bs // g, kvh, d)
-        out = torch.addcmul(fields["zero"].to(dtype)[:, :, None], q, fields["scale"].to(dtype)[:, :, None])
-        return out.view(m, bs, kvh, d)
+        q.mul_(fields["scale"].to(dtype)[:, :, None]).add_(fields["zero"].to(dtype)[:, :, None])
+        return q.view(m, bs, kvh, d)
 
 
 def _check_even(head_dim: int) -> None:

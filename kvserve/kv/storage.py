@@ -51,14 +51,17 @@ from typing import Protocol
 
 import torch
 
-from kvserve.kv.quant import Codec, FieldSpec, Fields, KVCodecSpec, make_codec, parse_kv_codecs
+from kvserve.kv.quant import Codec, Fields, FieldSpec, KVCodecSpec, make_codec, parse_kv_codecs
 
 
 class _Chunk(Protocol):
     """What storage needs of a scheduled chunk (``kvserve.scheduler.output.ScheduledChunk``)."""
 
-    start: int
-    block_table: tuple[int, ...]
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def block_table(self) -> tuple[int, ...]: ...
 
     @property
     def end(self) -> int: ...
@@ -633,7 +636,7 @@ class LayerKV:
                 rows = s._shadow_rows.index_select(0, blocks)
                 sub = s.shadows[self.layer].index_select(1, slots)       # [2, r, bs, kvh, d]
                 keep = torch.arange(s.block_size, device=ids.device)[None, :] < rows[:, None]
-                out[:, sel] = torch.where(keep[None, :, :, None, None], sub, out.index_select(1, sel))
+                out.index_copy_(1, sel, torch.where(keep[None, :, :, None, None], sub, out.index_select(1, sel)))
             return out.view(2, *block_ids.shape, *tail)
         return self.decode_blocks(ids).view(2, *block_ids.shape, *tail)
 

@@ -17,7 +17,7 @@ from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.inputs import ModelInputs, build_inputs
-from kvserve.runner.sampler import SampleResult, Sampler
+from kvserve.runner.sampler import Sampler, SampleResult
 from kvserve.scheduler.output import SchedulerOutput
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import torch
 
 from kvserve.config import CacheConfig, ModelConfig, parse_size
 from kvserve.engine.memory import kv_capacity

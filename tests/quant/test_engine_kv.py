@@ -62,8 +62,10 @@ def test_engine_bytes_equal_storage_and_capacity_grows(tiny: Path, kv: str) -> N
     assert cap.bytes_per_token * 4 == kv_block_bytes(2, 2, 16, name, 4)
     assert llm.engine.runner.kv_bytes == cap.allocated_bytes <= cap.budget_bytes
     assert cap.token_capacity > 1.5 * ref.engine.capacity.token_capacity  # head_dim 16: scales weigh more
-    if "int4" in kv and kv != "k:int8,v:int4":
-        assert cap.window_blocks == 4 * 3  # max_num_seqs × (unfinished group, previous block, sinks)
+    if "int4" in kv:  # int4 keys or (default) int4 sinks: max_num_seqs × (unfinished group, previous, sink)
+        assert cap.window_blocks == 4 * 3
+    else:
+        assert cap.window_blocks == 0
     assert cap.summary() in llm.engine.capacity.summary()
 
 
@@ -75,7 +77,11 @@ def test_unknown_codec_is_rejected_with_the_valid_list(tiny: Path) -> None:
         llm.engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, kv_cache_dtype="nf4")
     with pytest.raises(ValueError, match="more bytes per block"):
         llm.engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, kv_cache_dtype="fp32")
+    with pytest.raises(ValueError, match="valid"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}], GREEDY, kv_cache_dtype="q4_0")
     assert not llm.engine.has_unfinished_requests()  # nothing was queued
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, kv_cache_dtype="fp8")[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_full_precision_below_the_threshold_equals_float_kv(tiny: Path) -> None:
