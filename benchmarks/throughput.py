@@ -333,6 +333,9 @@ def main() -> None:
                 continue
         print(f"running {engine} ...", file=sys.stderr)
         results[engine] = run_worker(engine, args)
+        print(f"{engine}: {json.dumps(results[engine])}", file=sys.stderr)  # kept if the run is stopped
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))
     bw = 0.5 * (bw_start + measure_bandwidth())
     doc = {"dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
            "batch": args.batch, "batch_prompt": args.batch_prompt, "batch_new": args.batch_new,

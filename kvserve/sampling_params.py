@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -60,4 +61,4 @@ class SamplingParams:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # excludes NaN
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)

@@ -13,13 +13,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 
 
-def _run_with_progress(cfg, console: Console) -> dict:
+def _run_with_progress(cfg, console: Console, out: Path) -> dict:
+    """Run with a progress bar; ``out/turns.json`` is rewritten after every mode."""
     from kvserve.bench.turns import run
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(doc: dict) -> None:
+        (out / "turns.json").write_text(json.dumps(doc, indent=1))
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("turn {task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         tasks = {m: progress.add_task(m, total=cfg.turns) for m in cfg.modes}
-        return run(cfg, lambda mode, t: progress.update(tasks[mode], completed=t))
+        return run(cfg, lambda mode, t: progress.update(tasks[mode], completed=t), save)
 
 
 @bench_app.command("turns")
@@ -44,9 +50,7 @@ def turns(
                       turns=turns, user_tokens=user_tokens, new_tokens=new_tokens, conversations=conversations,
                       dtype=dtype, kv_cache_memory=kv_cache_memory)
     console = Console()
-    doc = _run_with_progress(cfg, console)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "turns.json").write_text(json.dumps(doc, indent=1))
+    doc = _run_with_progress(cfg, console, out)
     plot_turns(doc, out / "turns.png")
     print_report(doc, console)
     console.print(f"wrote {out / 'turns.json'} and {out / 'turns.png'}")
@@ -69,9 +73,7 @@ def demo(
                   "  [bold]session[/]  send only the new message; the conversation's KV stays pinned\n")
     cfg = TurnsConfig(model=resolve_model_path(None), modes=("none", "prefix", "session"), turns=turns,
                       kv_cache_memory="256MiB")
-    doc = _run_with_progress(cfg, console)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "turns.json").write_text(json.dumps(doc, indent=1))
+    doc = _run_with_progress(cfg, console, out)
     png = plot_turns(doc, out / "turns.png")
     console.print(summary_table(doc))
     s = doc["summary"]

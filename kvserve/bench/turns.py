@@ -124,11 +124,15 @@ def _drive(engine, rid: str):
                 return out, first - t0, (end - first) / max(n - 1, 1)
 
 
-def run(cfg: TurnsConfig, progress: Callable[[str, int], None] | None = None) -> dict:
-    """Every requested mode, one after another, in one process. Returns the JSON document."""
+def run(cfg: TurnsConfig, progress: Callable[[str, int], None] | None = None,
+        on_mode_done: Callable[[dict], None] | None = None) -> dict:
+    """Every requested mode, one after another, in one process. Returns the JSON document;
+    ``on_mode_done`` gets the partial document after each mode (so a long run that is stopped
+    keeps what it measured)."""
     from kvserve.bench import hf_reference
 
     modes: dict[str, dict] = {}
+    doc: dict = {"config": asdict(cfg), "modes": modes, "summary": {}}
     for mode in cfg.modes:
         cb = (lambda t, m=mode: progress(m, t)) if progress else None
         if mode in ENGINE_MODES:
@@ -136,7 +140,10 @@ def run(cfg: TurnsConfig, progress: Callable[[str, int], None] | None = None) ->
         else:
             recs = hf_reference.run_hf_mode(cfg, mode, cb)
         modes[mode] = {"turns": [asdict(r) for r in recs]}
-    return {"config": asdict(cfg), "modes": modes, "summary": summarize(modes, cfg.turns)}
+        doc["summary"] = summarize(modes, cfg.turns)
+        if on_mode_done:
+            on_mode_done(doc)
+    return doc
 
 
 def _median(xs: list[float]) -> float:

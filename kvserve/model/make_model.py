@@ -19,14 +19,14 @@ import json
 import shutil
 import zlib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from kvserve.config import ModelConfig
 from kvserve.model.loader import checkpoint_tensor_shapes, torch_dtype
-from kvserve.model.presets import PRESETS, ModelPreset, get_preset
+from kvserve.model.presets import ModelPreset, get_preset
 from kvserve.model.tokenizer_builder import SPECIAL_TOKENS, write_tokenizer
 
 INIT_STD = 0.02

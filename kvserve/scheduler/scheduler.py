@@ -191,4 +191,4 @@ class Scheduler:
         return len(self.waiting)
 
 
-__all__ = ["Scheduler", "ComputedBlocks"]
+__all__ = ["ComputedBlocks", "Scheduler"]
