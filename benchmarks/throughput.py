@@ -83,6 +83,18 @@ def weights_bytes(model: Path) -> int:
     return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
 
+def single_stream(run_one, args: argparse.Namespace) -> dict:
+    """Prefill tok/s (median of ``repeats``) and decode tok/s per context, through an engine's
+    ``run_one(prompt_ids, new_tokens) -> (ttft_s, s_per_token)``, after one warm-up request."""
+    run_one(prompt_ids(64, 9), 4)
+    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
+    for n in args.prefill:
+        res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
+    for n in args.context:
+        res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
+    return res
+
+
 # --------------------------------------------------------------------------------------------
 # workers: one per engine, run in a subprocess, print one JSON line
 def worker_kvserve(args: argparse.Namespace) -> dict:
@@ -104,12 +116,7 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
                     end = time.perf_counter()
                     return first - t0, (end - first) / max(new - 1, 1)
 
-    run_one(prompt_ids(64, 9), 4)  # warm-up
-    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for n in args.prefill:
-        res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
-    for n in args.context:
-        res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
+    res = single_stream(run_one, args)
     reqs = [{"prompt_token_ids": prompt_ids(args.batch_prompt, 100 + i)} for i in range(args.batch)]
     t = time.perf_counter()
     outs = llm.generate(reqs, SamplingParams(max_tokens=args.batch_new, temperature=0, ignore_eos=True))
@@ -140,12 +147,7 @@ def worker_transformers(args: argparse.Namespace) -> dict:
         end = time.perf_counter()
         return first - t0, (end - first) / max(new - 1, 1)
 
-    run_one(prompt_ids(64, 9), 4)
-    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for n in args.prefill:
-        res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
-    for n in args.context:
-        res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
+    res = single_stream(run_one, args)
     with torch.inference_mode():
         batch = torch.tensor([prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)])
         t = time.perf_counter()
@@ -181,12 +183,7 @@ def worker_llama_cpp(args: argparse.Namespace) -> dict:
         end = time.perf_counter()
         return first - t0, (end - first) / max(new - 1, 1)
 
-    run_one(prompt_ids(64, 9), 4)
-    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for n in args.prefill:
-        res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
-    for n in args.context:
-        res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
+    res = single_stream(run_one, args)
     prompts = [prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)]
     res["batch_tok_s"], res["batch_decode_phase_tok_s"] = llama_cpp_batched(llm, args, prompts)
     half = prompts[: max(1, args.batch // 2)]
