@@ -255,8 +255,8 @@ class KVStorage:
                              f"{self.pool.spec.name!r} pool holds; use a codec no wider than the pool's")
         needs_window = k.grouped or (self.sink_tokens > 0 and "int4" in (parsed.k, parsed.v))
         if needs_window and not (self.pool.k.grouped or self.pool.sinks):
-            raise ValueError(f"kv_cache_dtype {parsed.name!r} keeps unfinished int4 key groups in full "
-                             f"precision, which needs an engine whose kv_cache_dtype uses int4")
+            raise ValueError(f"kv_cache_dtype {parsed.name!r} keeps unfinished int4 key groups or sink "
+                             f"tokens in full precision, which needs an engine whose kv_cache_dtype uses int4")
         return self._add_pair(parsed)
 
     # -- bytes -------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import AttentionMetadata, paged_attention
-from kvserve.model.cpu_gemm import PackedFp16Linear, pack_linears
+from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, pack_linears
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -190,7 +190,13 @@ class LlamaForCausalLM(nn.Module):
         (:mod:`kvserve.model.cpu_gemm`): for bf16/fp16 models on CPUs without native half
         arithmetic. A tied logits projection gets its own packed copy (the embedding stays for
         lookups). Returns the number of matrices packed."""
-        count = pack_linears(self)
+        count = 0
+        for layer in self.model.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, MLP) and PackedFp16MLP.fits(mlp.gate_up_proj.weight, mlp.down_proj.weight):
+                layer.mlp = PackedFp16MLP(mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                count += 2
+        count += pack_linears(self)
         emb = self.model.embed_tokens.weight
         if self.lm_head is None and PackedFp16Linear.fits(emb):
             self.lm_head = PackedFp16Linear(emb, None, torch.float32)

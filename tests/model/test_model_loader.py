@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
+from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, fbgemm_fp16_available
 from kvserve.model.loader import load_model, load_tokenizer
 from kvserve.model.make_model import to_hub_form
 from kvserve.model.registry import get_model_class, supported_architectures
@@ -78,7 +78,9 @@ def test_half_precision_checkpoints_load_in_their_dtype(dtype: torch.dtype, pack
     assert {p.dtype for p in model.parameters()} == {dtype}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     packed = [m for m in model.modules() if isinstance(m, PackedFp16Linear)]
-    assert len(packed) == (4 * config.num_hidden_layers + 1 if pack else 0)  # qkv, o, gate_up, down; logits
+    assert len(packed) == (2 * config.num_hidden_layers + 1 if pack else 0)  # qkv, o; logits
+    mlps = [m for m in model.modules() if isinstance(m, PackedFp16MLP)]
+    assert len(mlps) == (config.num_hidden_layers if pack else 0)             # gate_up + down each
 
     prompt = random_prompt(20, config.vocab_size, seed=4)
     with torch.no_grad():
