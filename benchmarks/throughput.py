@@ -59,17 +59,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: the best of a few full passes summing a large array."""
-    import numpy as np
+def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s with ``threads`` threads: the best of a few full passes summing a
+    large float32 array (torch's reduction splits it over the threads, as a GEMV does its rows)."""
+    import torch
 
-    a = np.ones(int(gib * 2**30) // 8, dtype=np.float64)
+    torch.set_num_threads(threads)
+    a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         a.sum()
         best = min(best, time.perf_counter() - t)
-    return a.nbytes / best / 1e9
+    return a.numel() * 4 / best / 1e9
 
 
 def ensure_model(path: Path, dtype: str) -> Path:
@@ -117,13 +119,34 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
                     return first - t0, (end - first) / max(new - 1, 1)
 
     res = single_stream(run_one, args)
-    reqs = [{"prompt_token_ids": prompt_ids(args.batch_prompt, 100 + i)} for i in range(args.batch)]
-    t = time.perf_counter()
-    outs = llm.generate(reqs, SamplingParams(max_tokens=args.batch_new, temperature=0, ignore_eos=True))
-    dt = time.perf_counter() - t
-    res["batch_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    res["batch_tok_s"], res["batch_decode_phase_tok_s"] = kvserve_batched(eng, args, args.batch)
+    res["half_batch_decode_phase_tok_s"] = kvserve_batched(eng, args, max(1, args.batch // 2))[1]
     res["kv_bytes_per_token"] = eng.capacity.bytes_per_token
     return res
+
+
+def kvserve_batched(eng, args: argparse.Namespace, b: int) -> tuple[float, float]:
+    """B requests submitted at once (continuous batching, chunked prefill). Returns (generated
+    tokens/s over the whole run, tokens/s of the decode phase: the tokens generated after every
+    request has its first token, over that time, as ``llama_cpp_batched`` measures it)."""
+    from kvserve import SamplingParams
+
+    params = SamplingParams(max_tokens=args.batch_new, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    counts = {eng.add_request({"prompt_token_ids": prompt_ids(args.batch_prompt, 100 + i)}, params): 0
+              for i in range(b)}
+    t1, at_t1, live = None, 0, set(counts)
+    while live:
+        for out in eng.step():
+            if out.request_id in counts:
+                counts[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    live.discard(out.request_id)
+        if t1 is None and all(counts.values()):
+            t1, at_t1 = time.perf_counter(), sum(counts.values())
+    t2 = time.perf_counter()
+    total = sum(counts.values())
+    return total / (t2 - t0), (total - at_t1) / (t2 - t1)
 
 
 def worker_transformers(args: argparse.Namespace) -> dict:
@@ -173,9 +196,7 @@ def worker_llama_cpp(args: argparse.Namespace) -> dict:
         llm.reset()
         t0 = time.perf_counter()
         first = None
-        n = 0
-        for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            n += 1
+        for n, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True), start=1):
             if first is None:
                 first = time.perf_counter()
             if n == new:
@@ -248,7 +269,7 @@ def run_worker(engine: str, args: argparse.Namespace) -> dict:
     if args.quick:
         cmd.append("--quick")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]}
@@ -319,7 +340,7 @@ def main() -> None:
 
     ensure_model(args.model, args.dtype)
     wbytes = weights_bytes(args.model)
-    bw_start = measure_bandwidth()
+    bw_start = measure_bandwidth(args.threads)
     results = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         if engine == "llama.cpp":
@@ -333,7 +354,7 @@ def main() -> None:
         print(f"{engine}: {json.dumps(results[engine])}", file=sys.stderr)  # kept if the run is stopped
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))
-    bw = 0.5 * (bw_start + measure_bandwidth())
+    bw = 0.5 * (bw_start + measure_bandwidth(args.threads))
     doc = {"dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
            "batch": args.batch, "batch_prompt": args.batch_prompt, "batch_new": args.batch_new,
            "weights_bytes": wbytes, "bandwidth_gb_s": bw, "bandwidth_gb_s_start": bw_start, "engines": results}
@@ -358,6 +379,15 @@ def main() -> None:
                     ratios[f"kvserve/{other} prefill @{n}"] = k["prefill_tok_s"][n] / o["prefill_tok_s"][n]
                 if o.get("batch_tok_s"):
                     ratios[f"kvserve/{other} batch"] = k["batch_tok_s"] / o["batch_tok_s"]
+        if "llama.cpp" in ok:
+            lc = ok["llama.cpp"]
+            for key, label in (("batch_tok_s", "whole run"), ("batch_decode_phase_tok_s", "decode phase")):
+                if k.get(key) and lc.get("half_batch_decode_phase_tok_s"):
+                    ratios[f"kvserve {args.batch} requests ({label}) / llama.cpp batch of {args.batch // 2} decode"] = (
+                        k[key] / lc["half_batch_decode_phase_tok_s"])
+            if k.get("batch_decode_phase_tok_s") and lc.get("batch_decode_phase_tok_s"):
+                ratios[f"kvserve/llama.cpp {args.batch} requests decode phase"] = (
+                    k["batch_decode_phase_tok_s"] / lc["batch_decode_phase_tok_s"])
         ctx = [str(c) for c in args.context]
         ms = {c: 1e3 / k["decode_tok_s"][c] for c in ctx}
         ratios[f"kvserve ms/token @{ctx[-1]} ÷ @{ctx[0]}"] = ms[ctx[-1]] / ms[ctx[0]]

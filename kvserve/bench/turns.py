@@ -180,6 +180,6 @@ def summarize(modes: dict[str, dict], turns: int) -> dict[str, dict]:
         }
     if "none" in out:
         base = out["none"]["ttft_late_s"]
-        for mode in out:
-            out[mode]["speedup_vs_none_late"] = base / out[mode]["ttft_late_s"]
+        for summary in out.values():
+            summary["speedup_vs_none_late"] = base / summary["ttft_late_s"]
     return out

@@ -27,6 +27,7 @@ changes.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -157,7 +158,7 @@ class PackedFp16MLP(nn.Module):
                 self.register_buffer(f"gate_up{i}", torch.fbgemm_pack_gemm_matrix_fp16(rows), persistent=False)
                 self.register_buffer(f"down{i}", torch.fbgemm_pack_gemm_matrix_fp16(dn[:, lo:hi].contiguous()),
                                      persistent=False)
-        self.register_buffer("zeros_gu", torch.zeros(2 * max(hi - lo for lo, hi in zip(bounds, bounds[1:]))),
+        self.register_buffer("zeros_gu", torch.zeros(2 * max(hi - lo for lo, hi in itertools.pairwise(bounds))),
                              persistent=False)
         self.register_buffer("zeros_h", torch.zeros(self.hidden_size), persistent=False)
         self._parts = [(getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), bounds[i + 1] - bounds[i])

@@ -14,9 +14,9 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "kvserve" / "assets" / "mo
 def write_tiny_llama(out: Path, seed: int = 0, **overrides) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kwargs = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.1, eos_token_id=2, bos_token_id=None, tie_word_embeddings=False)
+    kwargs = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "initializer_range": 0.1, "eos_token_id": 2, "bos_token_id": None, "tie_word_embeddings": False}
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**kwargs)).to(torch.float32).eval()
