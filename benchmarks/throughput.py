@@ -86,14 +86,19 @@ def weights_bytes(model: Path) -> int:
 
 
 def single_stream(run_one, args: argparse.Namespace) -> dict:
-    """Prefill tok/s (median of ``repeats``) and decode tok/s per context, through an engine's
-    ``run_one(prompt_ids, new_tokens) -> (ttft_s, s_per_token)``, after one warm-up request."""
+    """Prefill tok/s (median of ``repeats``) and decode tok/s per context (median of ``repeats``
+    runs of ``decode_tokens``, the contexts interleaved so a drift in the machine's bandwidth hits
+    them alike), through an engine's ``run_one(prompt_ids, new_tokens) -> (ttft_s, s_per_token)``,
+    after one warm-up request."""
     run_one(prompt_ids(64, 9), 4)
-    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
+    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "decode_ms_runs": {n: [] for n in args.context}}
     for n in args.prefill:
         res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
+    for r in range(args.repeats):
+        for n in args.context:
+            res["decode_ms_runs"][n].append(1e3 * run_one(prompt_ids(n, 3 + r), args.decode_tokens)[1])
     for n in args.context:
-        res["decode_tok_s"][n] = 1.0 / run_one(prompt_ids(n, 3), args.decode_tokens)[1]
+        res["decode_tok_s"][n] = 1e3 / median(res["decode_ms_runs"][n])
     return res
 
 

@@ -122,16 +122,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-              first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one sequence's keys and values at positions ``first … seq_len - 1``: each
-    ``[seq_len - first, kv_heads, head_dim]``."""
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
+    """One sequence's keys and values at positions ``first … seq_len - 1``:
+    ``[2, seq_len - first, kv_heads, head_dim]`` (index 0 = K; a view of one gathered copy)."""
     block_size = kv_cache.shape[2]
     b0, n_blocks = first // block_size, -(-seq_len // block_size)
     blocks = gather_blocks(kv_cache, block_table[b0:n_blocks])  # [2, n, block_size, kvh, d]
     off = first - b0 * block_size
-    kv = blocks.view(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
-    return kv[0], kv[1]
+    return blocks.view(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -160,9 +158,22 @@ def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.devi
     return mask
 
 
+def heads_major(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[2, *, L, KVH, D]`` (the cache's token-major layout) -> contiguous ``[2, *, KVH, L, D]`` in
+    ``dtype``, in one copy.
+
+    torch's CPU flash attention is handed contiguous rows instead of rows ``KVH * D`` apart (a
+    transposed view of the token-major layout): measured (bf16, paged_attention alone, A/B in one
+    process) 0.86x the time for one decode at 512 context, 0.93x for 16 decodes at 384, equal at
+    2K-3.5K context and for prefill chunks.
+    """
+    return kv.transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format)
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One sequence: q ``[q_len, H, D]``, keys/values ``[L, KVH, D]`` -> ``[q_len, H, D]``.
+    """One sequence: q ``[q_len, H, D]``, keys/values head-major ``[KVH, L, D]`` (contiguous, q's
+    dtype) -> ``[q_len, H, D]``.
 
     Grouped-query form: the ``g = H / KVH`` query heads sharing a KV head are stacked as
     ``g * q_len`` query rows of that KV head (head ``h`` uses KV head ``h // g``, as in
@@ -170,17 +181,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (``enable_gqa=True`` gives the same result but is far slower on CPU in torch 2.13.)
     """
     q_len, heads, d = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads = keys.shape[0]
     g = heads // kv_heads
     qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * q_len, d)
     if mask is not None and g > 1:
         mask = mask.repeat(g, 1)                                   # rows ordered (group, query)
     # 4-D inputs (batch 1): torch's CPU flash kernel only takes 4-D; 3-D falls back to the slow
     # math path (5x slower for bf16 at 2K context).
-    o = F.scaled_dot_product_attention(
-        qg[None], keys.transpose(0, 1).to(q.dtype)[None], values.transpose(0, 1).to(q.dtype)[None],
-        attn_mask=mask, scale=scale,
-    )                                                              # [1, KVH, g * q_len, D]
+    o = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask, scale=scale)
     return o.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
 
 
@@ -199,10 +207,9 @@ def _attend_decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBa
     if plan.valid is not None:
         kv.masked_fill_(~plan.valid[None, :, :, None, None], 0)
         mask = plan.valid[:, None, None, :]                        # [S, 1, 1, L]
-    keys = kv[0].transpose(1, 2).to(q.dtype)                       # [S, KVH, L, D]
-    values = kv[1].transpose(1, 2).to(q.dtype)
+    kv = heads_major(kv, q.dtype)                                  # [2, S, KVH, L, D]
     qg = q.view(s, kv_heads, g, d)                                 # [S, KVH, g, D]
-    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
     return o.reshape(s, heads, d)
 
 
@@ -237,7 +244,7 @@ def paged_attention(
         q_len, seq_len = end - start, meta.seq_lens[i]
         # With a window, keys before the first query's window are never read: skip them.
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
-        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len, first)
+        kv = heads_major(gather_context(kv_cache, meta.block_tables[i], seq_len, first), q.dtype)
         mask = _causal_mask(q_len, seq_len - first, window, q.device)
-        out[start:end] = _attend(q[start:end], keys, values, mask, scale)
+        out[start:end] = _attend(q[start:end], kv[0], kv[1], mask, scale)
     return out
