@@ -35,6 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+# torch 2.13 marks the FBGEMM fp16 ops deprecated (a once-per-process UserWarning); torch is pinned.
+# A filter for that message only, instead of catch_warnings() per call (not thread-safe, and on
+# the decode path).
+warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated", category=UserWarning)
+
 FP16_MAX = 65504.0
 MIN_SHARD_ELEMENTS = 1 << 21
 """Matrices smaller than this (in weight elements) stay in one shard: a hand-off to a pool thread
@@ -56,9 +61,7 @@ def _gemm_pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _fp16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "deprecated" notice; torch is pinned to 2.13
-        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
+    return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
 
 
 @functools.cache
@@ -67,10 +70,8 @@ def fbgemm_fp16_available() -> bool:
     if not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
         return False
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(2, 2))
-            torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 2), packed, torch.zeros(2))
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(2, 2))
+        torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 2), packed, torch.zeros(2))
     except RuntimeError:
         return False
     return True
@@ -99,13 +100,11 @@ class PackedFp16Linear(nn.Module):
         b = torch.zeros(self.out_features) if bias is None else bias.detach().float()
         bounds = [self.out_features * i // n for i in range(n + 1)]
         self.shards = n
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "deprecated" notice; torch is pinned to 2.13
-            for i in range(n):
-                lo, hi = bounds[i], bounds[i + 1]
-                self.register_buffer(f"packed{i}", torch.fbgemm_pack_gemm_matrix_fp16(w[lo:hi].contiguous()),
-                                     persistent=False)
-                self.register_buffer(f"bias{i}", b[lo:hi].contiguous(), persistent=False)
+        for i in range(n):
+            lo, hi = bounds[i], bounds[i + 1]
+            self.register_buffer(f"packed{i}", torch.fbgemm_pack_gemm_matrix_fp16(w[lo:hi].contiguous()),
+                                 persistent=False)
+            self.register_buffer(f"bias{i}", b[lo:hi].contiguous(), persistent=False)
         self._parts = [(getattr(self, f"packed{i}"), getattr(self, f"bias{i}")) for i in range(n)]
 
     @staticmethod
@@ -150,14 +149,12 @@ class PackedFp16MLP(nn.Module):
         bounds = [inter * i // n for i in range(n + 1)]
         gu, dn = gate_up.detach().float(), down.detach().float()
         self.shards = n
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(n):
-                lo, hi = bounds[i], bounds[i + 1]
-                rows = torch.cat([gu[lo:hi], gu[inter + lo:inter + hi]])          # [2w, H]: gate, up
-                self.register_buffer(f"gate_up{i}", torch.fbgemm_pack_gemm_matrix_fp16(rows), persistent=False)
-                self.register_buffer(f"down{i}", torch.fbgemm_pack_gemm_matrix_fp16(dn[:, lo:hi].contiguous()),
-                                     persistent=False)
+        for i in range(n):
+            lo, hi = bounds[i], bounds[i + 1]
+            rows = torch.cat([gu[lo:hi], gu[inter + lo:inter + hi]])              # [2w, H]: gate, up
+            self.register_buffer(f"gate_up{i}", torch.fbgemm_pack_gemm_matrix_fp16(rows), persistent=False)
+            self.register_buffer(f"down{i}", torch.fbgemm_pack_gemm_matrix_fp16(dn[:, lo:hi].contiguous()),
+                                 persistent=False)
         self.register_buffer("zeros_gu", torch.zeros(2 * max(hi - lo for lo, hi in itertools.pairwise(bounds))),
                              persistent=False)
         self.register_buffer("zeros_h", torch.zeros(self.hidden_size), persistent=False)
