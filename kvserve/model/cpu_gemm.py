@@ -16,8 +16,8 @@ as a bf16 GEMM with fp32 accumulation would. Only the summation order differs.
 Threads: torch calls FBGEMM's fp16 GEMM on the calling thread only (one core, whatever
 ``torch.get_num_threads()`` says). A layer packed with ``shards=S`` splits its output features into
 S row blocks, packs each, and runs them on S threads (the caller plus S - 1 pool threads; the op
-releases the GIL), then concatenates: measured here, 2 shards make a 0.5B model's GEMMs 1.6x faster
-at one row and 1.75x at 16-256 rows. Each output element is still one dot product over the whole
+releases the GIL), then concatenates: ``python benchmarks/kernels.py`` measures 2 shards making all
+of a 0.5B model's GEMMs 1.32x faster at one row, 1.72x at 16 rows and 1.49x at 256. Each output element is still one dot product over the whole
 input, so sharding changes no numbers. :class:`PackedFp16MLP` shards a whole gated MLP the way
 tensor parallelism does (gate/up by output rows, down by input columns, partial sums added), so one
 hand-off covers three matmuls and the activation; only the down projection's fp32 summation order
@@ -30,7 +30,9 @@ import functools
 import itertools
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -45,19 +47,33 @@ MIN_SHARD_ELEMENTS = 1 << 21
 """Matrices smaller than this (in weight elements) stay in one shard: a hand-off to a pool thread
 costs ~50-75 us here, more than splitting a matrix under ~4 MiB saves at one row."""
 
+_Part = TypeVar("_Part")  # one shard's packed matrices (and, for the MLP, its width)
+
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 
 
 def _gemm_pool(workers: int) -> ThreadPoolExecutor:
-    """The process-wide pool that runs shards 1..S-1 (grown, never shrunk, on demand)."""
+    """The process-wide pool that runs shards 1..S-1 (grown, never shrunk, on demand; a replaced
+    pool finishes what it was given, then its threads exit)."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvserve-gemm")
             _pool_workers = workers
         return _pool
+
+
+def _on_threads(fn: Callable[[_Part], torch.Tensor], parts: Sequence[_Part]) -> list[torch.Tensor]:
+    """``[fn(p) for p in parts]``, the first on the calling thread and the others on the pool, at once."""
+    if len(parts) == 1:
+        return [fn(parts[0])]
+    futures = [_gemm_pool(len(parts) - 1).submit(fn, p) for p in parts[1:]]
+    first = fn(parts[0])
+    return [first] + [f.result() for f in futures]
 
 
 def _fp16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -115,13 +131,8 @@ class PackedFp16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out]``."""
         x32 = x.float()
-        if self.shards == 1:
-            y = _fp16_gemm(x32, *self._parts[0])
-        else:
-            pool = _gemm_pool(self.shards - 1)
-            futures = [pool.submit(_fp16_gemm, x32, p, b) for p, b in self._parts[1:]]
-            first = _fp16_gemm(x32, *self._parts[0])
-            y = torch.cat([first] + [f.result() for f in futures], dim=-1)
+        ys = _on_threads(lambda part: _fp16_gemm(x32, *part), self._parts)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y.to(self.out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
@@ -138,6 +149,9 @@ class PackedFp16MLP(nn.Module):
     projection over those columns in fp32; the partials are summed, then rounded once. Invariant:
     the shards' feature ranges tile ``[0, I)`` in order.
     """
+
+    zeros_gu: torch.Tensor
+    zeros_h: torch.Tensor
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, shards: int | None = None) -> None:
         super().__init__()
@@ -174,20 +188,17 @@ class PackedFp16MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` in x's dtype."""
         x32 = x.float()
-        if self.shards == 1:
-            return self._shard(x32, x.dtype, self._parts[0]).to(x.dtype)
-        pool = _gemm_pool(self.shards - 1)
-        futures = [pool.submit(self._shard, x32, x.dtype, part) for part in self._parts[1:]]
-        y = self._shard(x32, x.dtype, self._parts[0])
-        for f in futures:
-            y += f.result()
+        partials = _on_threads(lambda part: self._shard(x32, x.dtype, part), self._parts)
+        y = partials[0]
+        for partial in partials[1:]:
+            y += partial
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, fp16 packed, shards={self.shards}"
 
 
-def pack_linears(model: nn.Module, logits_weight: torch.Tensor | None = None) -> int:
+def pack_linears(model: nn.Module) -> int:
     """Replace every CPU ``nn.Linear`` in ``model`` (in place) with a :class:`PackedFp16Linear`;
     returns how many were packed. Layers with weights beyond fp16 range stay as they are."""
     count = 0
