@@ -44,7 +44,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.model import attention
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from kvserve.contract import ScheduledChunk, SchedulerOutput
 
 DEFAULT_CODECS = ("bf16", "fp8", "int8", "int4", "k:int8,v:int4")
 
@@ -75,9 +75,10 @@ class Driver:
                 r.prompt_token_ids.extend(torch.randint(10, self.vocab, (missing,), generator=self.g).tolist())
             if not self.engine.kv.allocate_slots(r, n):
                 raise RuntimeError("KV pool too small for the benchmark; raise --kv-cache-memory")
-            chunks.append(ScheduledChunk(r, r.num_computed_tokens, n, tuple(self.engine.kv.block_table(r.request_id)),
-                                         False))
-        out = SchedulerOutput(chunks, block_copies=self.engine.kv.take_pending_copies())
+            start = r.num_computed_tokens
+            chunks.append(ScheduledChunk(r.request_id, start, n, r.all_token_ids[start:start + n],
+                                         list(self.engine.kv.block_table(r.request_id))))
+        out = SchedulerOutput(chunks=chunks, block_ops=self.engine.kv.take_block_ops())
         t0 = time.perf_counter()
         with torch.inference_mode():
             if logits:

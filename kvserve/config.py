@@ -241,6 +241,8 @@ class CacheConfig:
     session_idle_timeout_s: float = 600.0
     max_session_tokens: int | None = None
     session_overflow: str = "error"  # or "drop_oldest": drop the oldest turns to fit
+    session_retention_s: float | None = None  # history forgotten after this idle time (None: idle timeout + 30 min)
+    max_sessions_per_tenant: int | None = None  # a new session past it forgets the tenant's LRU idle one
     # Lossy KV codecs (kvserve.kv.quant, docs/kv-quant.md): a sequence shorter than
     # kv_quant_min_tokens reads full-precision KV; int4 keys are grouped by kv_quant_group_size
     # tokens (None: min(32, block_size)); int4 keeps a sequence's first kv_quant_sink_tokens exact.
@@ -270,7 +272,12 @@ class CacheConfig:
             raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
         if self.max_session_tokens is not None and self.max_session_tokens <= 0:
             raise ValueError(f"max_session_tokens must be > 0, got {self.max_session_tokens}")
-        if self.session_overflow not in ("error", "drop_oldest"):
+        if self.session_retention_s is not None and self.session_retention_s < self.session_idle_timeout_s:
+            raise ValueError(f"session_retention_s ({self.session_retention_s}) must be >= "
+                             f"session_idle_timeout_s ({self.session_idle_timeout_s})")
+        if self.max_sessions_per_tenant is not None and self.max_sessions_per_tenant <= 0:
+            raise ValueError(f"max_sessions_per_tenant must be > 0, got {self.max_sessions_per_tenant}")
+        if self.session_overflow not in SESSION_OVERFLOW:
             raise ValueError(f"session_overflow must be 'error' or 'drop_oldest', got {self.session_overflow!r}")
 
 
@@ -296,6 +303,10 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
 
 
+RUNNER_KINDS = ("inline", "process")
+SESSION_OVERFLOW = ("error", "drop_oldest")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`kvserve.engine.engine.LLMEngine` needs to start."""
@@ -307,8 +318,11 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: str = "inline"  # "inline": this process; "process": a child process (kvserve.runner.process_runner)
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNER_KINDS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {self.runner!r}")
         if self.dtype != "auto":
             normalize_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

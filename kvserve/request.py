@@ -27,23 +27,26 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # this request's preparation, forward or sampling raised
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 _FINISH_OF_STATUS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -63,6 +66,7 @@ class Request:
     cache_salt: str | None = None
     session_id: str | None = None
     kv_cache_dtype: str | None = None  # per-request KV codec override (canonical name); None = the engine's
+    seed: int = 0  # this sample's concrete sampling seed (drawn by the engine when none was given)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -73,6 +77,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # why the request failed (status FINISHED_ERROR)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -101,6 +106,13 @@ class Request:
         lead = self.leader
         return (lead is not None and not lead.status.finished
                 and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    def token_ids_from(self, i: int) -> list[int]:
+        """``all_token_ids[i:]`` without building the whole list (a decode step asks for one)."""
+        p = len(self.prompt_token_ids)
+        if i >= p:
+            return self.output_token_ids[i - p:]
+        return self.prompt_token_ids[i:] + self.output_token_ids
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -146,3 +158,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when a sample failed (its finish_reason is "error")

@@ -2,10 +2,13 @@
 
 ``step()`` is the whole loop body::
 
-    plan  = scheduler.schedule()            # who runs, how many tokens, which blocks
-    sampled = runner.execute(plan)          # one forward over the packed batch, then sample
-    changed = scheduler.update(plan, sampled)   # advance, append tokens, token-level stops
-    return outputs.process(changed)         # detokenize, stop strings, group n samples
+    plan    = scheduler.schedule()             # SchedulerOutput: plain data (kvserve.contract)
+    result  = runner.execute(plan)             # RunnerOutput: tokens per request, failures
+    changed = scheduler.update(plan, result)   # advance, append tokens, token-level stops
+    return outputs.process(changed, result)    # detokenize, stop strings, group n samples
+
+The runner is inline (this process) or a child process (``runner="process"``); both take and
+return the same records.
 """
 
 from __future__ import annotations
@@ -13,20 +16,24 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import EngineConfig, normalize_dtype
-from kvserve.engine.memory import kv_capacity, pick_device, set_cpu_threads
+from kvserve.config import SESSION_OVERFLOW, EngineConfig, normalize_dtype
+from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv.codec_pairs import CodecPairs
+from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.sessions import Session
-from kvserve.model.loader import load_model, load_tokenizer
+from kvserve.model.loader import load_model_config, load_tokenizer
 from kvserve.request import Request, RequestOutput, RequestStatus
-from kvserve.runner.model_runner import ModelRunner
+from kvserve.runner.process_runner import ProcessRunner, RunnerSpec, build_inline_runner
+from kvserve.runner.protocol import Runner
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 
@@ -57,26 +64,35 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
-        if self.device.type == "cpu":
-            set_cpu_threads(config.num_threads)
         dtype = "auto" if config.dtype == "auto" else normalize_dtype(config.dtype)
-        self.model, self.model_config = load_model(config.model, dtype=dtype, device=self.device)
+        self.model_config = load_model_config(config.model, dtype)
         self.tokenizer = load_tokenizer(config.model)
-        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
                                                 self.max_model_len, self.device, config.scheduler.max_num_seqs)
+        self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, config.scheduler.max_model_len)
         log.info(self.capacity.summary())
+        self.codecs = CodecPairs.for_model(self.model_config, self.kv_dtype, config.cache, self.capacity.block_size)
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 extra_key=(f"kv:{self.kv_dtype}",),
-                                 session_idle_timeout_s=config.cache.session_idle_timeout_s)
+                                 root_key=root_key(model_identity(config.model), self.kv_dtype,
+                                                   self.capacity.block_size),
+                                 session_idle_timeout_s=config.cache.session_idle_timeout_s,
+                                 session_retention_s=config.cache.session_retention_s,
+                                 max_sessions_per_tenant=config.cache.max_sessions_per_tenant)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.model_config, self.capacity, self.kv_dtype,
-                                  self.device, seed=config.seed, cache=config.cache)
+        spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
+                          config.num_threads, config.seed)
+        self.runner: Runner = ProcessRunner(spec) if config.runner == "process" else build_inline_runner(spec)
+        self._seeds = random.Random(config.seed)  # seeds of requests that give none
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._eos = self._eos_token_ids()
+
+    def shutdown(self) -> None:
+        """Stop the runner (a child process for ``runner="process"``)."""
+        self.runner.shutdown()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids from config.json, generation_config.json and the tokenizer, together."""
@@ -112,13 +128,16 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    session_id: str | None = None, kv_cache_dtype: str | None = None) -> str:
+                    session_id: str | None = None, kv_cache_dtype: str | None = None,
+                    tenant: str | None = None, session_overflow: str | None = None) -> str:
         """Queue a request (``n`` samples become ``n`` sibling sequences). Raises ValueError for
         input that can never run; nothing is queued then. ``kv_cache_dtype`` overrides the engine's
         KV codec for this request (it must fit the pool's blocks: docs/kv-quant.md).
 
         With ``session_id`` the prompt is the *new* turn's tokens only: they are appended to the
-        session's history (previous prompts and replies, never re-tokenized), whose KV is reused."""
+        session's history (previous prompts and replies, never re-tokenized), whose KV is reused.
+        ``tenant`` owns a new session (its per-tenant cap applies); ``session_overflow`` overrides
+        the engine's ``error`` / ``drop_oldest`` choice for a session outgrowing ``max_session_tokens``."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         rid = request_id or f"req-{next(self._ids)}"
@@ -126,20 +145,19 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         num_new = len(ids)
         if session_id is not None:
-            ids = self._session_prompt(session_id, ids, params)
+            ids = self._session_prompt(session_id, ids, params, session_overflow)
         self.scheduler.validate(len(ids), params.max_tokens)
         codec = self._request_codec(kv_cache_dtype)
         if session_id is not None:
-            session = self.kv.begin_turn(session_id)
-            start = len(ids) - num_new
-            session.turn_starts = [t for t in session.turn_starts if t < start] + [start]
+            self.kv.begin_turn(session_id, len(ids) - num_new, tenant)
         leader: Request | None = None
         children: list[Request] = []
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         for i in range(params.n):
             child = Request(f"{rid}" if params.n == 1 else f"{rid}#{i}", list(ids), params,
                             eos_token_ids=self._eos, group_id=rid, sample_index=i,
                             leader=leader, cache_salt=cache_salt, session_id=session_id,
-                            kv_cache_dtype=codec)
+                            kv_cache_dtype=codec, seed=base_seed + 1_000_003 * i)
             leader = leader or child
             children.append(child)
         for child in children:
@@ -153,10 +171,11 @@ class LLMEngine:
         canon = None if name is None else resolve_kv_dtype(name, self.model_config.dtype)
         if canon is None or canon == self.kv_dtype:
             return None
-        self.runner.storage.pair_for(canon)
+        self.codecs.pair_for(canon)
         return canon
 
-    def _session_prompt(self, session_id: str, new_ids: list[int], params: SamplingParams) -> list[int]:
+    def _session_prompt(self, session_id: str, new_ids: list[int], params: SamplingParams,
+                        overflow: str | None = None) -> list[int]:
         """History + new turn, applying ``max_session_tokens`` (error, or drop the oldest turns)."""
         if params.n != 1:
             raise ValueError("n > 1 cannot continue a session; use n=1 with session_id")
@@ -167,7 +186,10 @@ class LLMEngine:
         cap = self.config.cache.max_session_tokens
         need = len(history) + len(new_ids) + params.max_tokens
         if cap is not None and need > cap:
-            if self.config.cache.session_overflow == "error" or session is None:
+            overflow = overflow or self.config.cache.session_overflow
+            if overflow not in SESSION_OVERFLOW:
+                raise ValueError(f"session_overflow must be one of {', '.join(SESSION_OVERFLOW)}, got {overflow!r}")
+            if overflow == "error" or session is None:
                 raise ValueError(
                     f"session {session_id!r} would hold {need} tokens (history {len(history)} + new "
                     f"{len(new_ids)} + max_tokens {params.max_tokens}) > max_session_tokens ({cap}); "
@@ -184,9 +206,7 @@ class LLMEngine:
         if cut is None:
             raise ValueError(f"session {session.session_id!r}: the new turn alone exceeds max_session_tokens "
                              f"({self.config.cache.max_session_tokens}); send a shorter turn or lower max_tokens")
-        self.kv.release_session(session)
-        session.token_ids = session.token_ids[cut:]
-        session.turn_starts = [t - cut for t in session.turn_starts if t >= cut]
+        self.kv.drop_oldest_turns(session, cut)
         return list(session.token_ids)
 
     def list_sessions(self) -> list[Session]:
@@ -205,7 +225,6 @@ class LLMEngine:
         """Stop a request (or every sample of it) now; its blocks come back at once."""
         for child in self.outputs.children(request_id):
             self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
-            self.runner.sampler.release(child.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -215,13 +234,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return self.outputs.flush()  # aborts still need their final output
-        sampled = self.runner.execute(plan)
-        changed = self.scheduler.update(plan, {rid: r.token_id for rid, r in sampled.items()})
-        outputs = self.outputs.process(changed, sampled, self._stop_by_string)
-        for req in changed:
-            if req.status.finished:
-                self.runner.sampler.release(req.request_id)
-        return outputs
+        result = self.runner.execute(plan)
+        changed = self.scheduler.update(plan, result)
+        return self.outputs.process(changed, result, self._stop_by_string)
 
     def _stop_by_string(self, req: Request, stop: str) -> None:
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)

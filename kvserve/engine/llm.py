@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Self, cast
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from kvserve.engine.chat_session import ChatTranscript
@@ -58,6 +58,7 @@ class LLM:
         kv_quant_min_tokens: int = CacheConfig.kv_quant_min_tokens,
         kv_quant_group_size: int | None = None,
         kv_quant_sink_tokens: int = CacheConfig.kv_quant_sink_tokens,
+        runner: str = "inline",
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -76,7 +77,7 @@ class LLM:
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
         config = EngineConfig(model=resolve_model_path(model), dtype=dtype, device=device, seed=seed,
-                              num_threads=num_threads, cache=cache, scheduler=sched)
+                              num_threads=num_threads, cache=cache, scheduler=sched, runner=runner)
         self.engine = LLMEngine(config)
         self._transcripts: dict[str, ChatTranscript] = {}
         self.last_output: RequestOutput | None = None
@@ -147,6 +148,16 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.chat_token_ids(conv)} for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        """Stop the engine's runner (the child process of ``runner="process"``)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def close_session(self, session_id: str) -> bool:
         """Forget a chat session and free its KV."""

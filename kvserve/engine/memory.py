@@ -62,3 +62,19 @@ def kv_capacity(model: ModelConfig, cache: CacheConfig, kv_dtype: str, max_model
     else:
         budget = int(free_memory_bytes(device) * cache.kv_cache_fraction)
     return capacity_for_budget(budget, bpt, cache.block_size, max_model_len, w_blocks, w_bytes)
+
+
+def fit_max_model_len(max_model_len: int, capacity: KVCapacity, requested: int | None) -> int:
+    """``max_model_len`` the pool can serve. A length the model's config implied is lowered to the
+    pool's token capacity with a warning that names both; one the user asked for is refused (as
+    vLLM does), since every request near it would fail later."""
+    pool_tokens = capacity.num_blocks * capacity.block_size
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    if requested is not None:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool's {pool_tokens} tokens "
+                         f"({capacity.num_blocks} blocks of {capacity.block_size}); raise kv_cache_memory "
+                         f"or lower max_model_len to at most {pool_tokens}")
+    log.warning("max_model_len lowered from %d (the model's) to %d, what the KV pool holds; raise "
+                "kv_cache_memory to serve longer sequences", max_model_len, pool_tokens)
+    return pool_tokens

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.contract import RunnerOutput
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.request import CompletionOutput, Request, RequestMetrics, RequestOutput
-from kvserve.runner.sampler import SampleResult
 
 
 @dataclass
@@ -23,6 +23,7 @@ class _Group:
     children: list[Request]
     detoks: list[IncrementalDetokenizer]
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)  # per sample: output tokens already detokenized
 
 
 class OutputProcessor:
@@ -35,7 +36,7 @@ class OutputProcessor:
                   children: list[Request]) -> None:
         detoks = [IncrementalDetokenizer(self.tokenizer, c.sampling_params) for c in children]
         self.groups[request_id] = _Group(request_id, prompt, prompt_token_ids, children, detoks,
-                                         [[] for _ in children])
+                                         [[] for _ in children], [0 for _ in children])
 
     def children(self, request_id: str) -> list[Request]:
         group = self.groups.get(request_id)
@@ -43,16 +44,19 @@ class OutputProcessor:
             self._dirty[request_id] = None  # report the abort at the next step
         return group.children if group else []
 
-    def process(self, changed: list[Request], sampled: dict[str, SampleResult],
+    def process(self, changed: list[Request], result: RunnerOutput,
                 stop: Callable[[Request, str], None]) -> list[RequestOutput]:
         for req in changed:
             group = self.groups[req.group_id or req.request_id]
-            detok = group.detoks[req.sample_index]
-            detok.add(req.output_token_ids[-1:])
-            result = sampled.get(req.request_id)
-            if result is not None and result.logprob is not None:
-                group.logprobs[req.sample_index].append({req.output_token_ids[-1]: result.logprob,
-                                                         **(result.top_logprobs or {})})
+            i = req.sample_index
+            detok = group.detoks[i]
+            new = req.output_token_ids[group.seen[i]:]  # several tokens when drafts were accepted
+            group.seen[i] += len(new)
+            detok.add(new)
+            sampled = result.sampled.get(req.request_id)
+            if sampled is not None and sampled.logprobs is not None:
+                for token, lp in zip(new, sampled.logprobs):
+                    group.logprobs[i].append({token: lp.logprob, **lp.top})
             if detok.stopped_by is not None and not req.status.finished:
                 stop(req, detok.stopped_by)
             self._dirty[group.request_id] = None
@@ -80,8 +84,9 @@ class OutputProcessor:
         metrics = RequestMetrics(lead.arrival_time, lead.first_scheduled_time, lead.first_token_time,
                                  max((c.finished_time or 0.0) for c in g.children) or None,
                                  sum(c.num_preemptions for c in g.children))
+        errors = [c.error for c in g.children if c.error]
         return RequestOutput(
             request_id=g.request_id, prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
             outputs=completions, finished=all(c.status.finished for c in g.children),
-            num_cached_tokens=lead.num_cached_tokens, metrics=metrics,
+            num_cached_tokens=lead.num_cached_tokens, metrics=metrics, error=errors[0] if errors else None,
         )

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.contract import ScheduledChunk, SchedulerOutput
 from kvserve.engine.engine import LLMEngine
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
 DEFAULT_CODECS: tuple[str, ...] = ("fp8", "int8", "int4", "k:int8,v:int4")
 
@@ -119,20 +119,23 @@ def teacher_forced_logprobs(engine: LLMEngine, sequences: Sequence[list[int]], c
                     continue
                 if not engine.kv.allocate_slots(r, n):
                     raise RuntimeError("the eval's KV pool is too small; raise kv_cache_memory")
-                chunks.append(ScheduledChunk(r, r.num_computed_tokens, n,
-                                             tuple(engine.kv.block_table(r.request_id)), False))
+                start = r.num_computed_tokens
+                chunks.append(ScheduledChunk(r.request_id, start, n, r.all_token_ids[start:start + n],
+                                             list(engine.kv.block_table(r.request_id))))
             if not chunks:
                 break
-            logits = engine.runner.score(SchedulerOutput(chunks, block_copies=engine.kv.take_pending_copies()))
+            logits = engine.runner.score(SchedulerOutput(chunks=chunks, block_ops=engine.kv.take_block_ops()))
             row = 0
             for c in chunks:
-                out[reqs.index(c.request)].append(torch.log_softmax(logits[row:row + c.num_new_tokens], -1))
+                i = int(c.request_id.removeprefix("eval-"))
+                out[i].append(torch.log_softmax(logits[row:row + c.num_new_tokens], -1))
                 row += c.num_new_tokens
-                c.request.num_computed_tokens += c.num_new_tokens
+                reqs[i].num_computed_tokens += c.num_new_tokens
     finally:
         for r in reqs:
             r.status = RequestStatus.FINISHED_ABORTED
             engine.kv.free(r)
+        engine.runner.execute(SchedulerOutput(finished=[r.request_id for r in reqs]))
     return [torch.cat(parts) for parts in out]
 
 

@@ -7,14 +7,18 @@ Invariants (``check()`` asserts them; the KV tests call it after every mutation)
     (ref count 0), never both: ``num_free + num_used == num_blocks``;
   * a free block that still carries a hash is *cached-free*: findable by that hash until it is
     handed out again; ``num_free == num_free_uncached + num_cached_free``;
-  * the free queue is in eviction order: blocks freed longest ago are reused first (LRU).
+  * the free queue is in the eviction policy's order (``kvserve.kv.eviction``; LRU by default:
+    blocks freed longest ago are reused first);
+  * every change to the hash map is announced as a cache event (``kvserve.kv.events``), in order:
+    replaying the events rebuilds the map exactly.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvserve.kv.events import BlockRemoved, BlockStored, BlockTouched, CacheEvent, Subscriber
+from kvserve.kv.eviction import EvictionPolicy, make_policy
 from kvserve.kv.hashing import BlockHash
 
 
@@ -33,14 +37,34 @@ class PoolUsage:
 class BlockPool:
     """Blocks ``0..num_blocks-1`` with reference counts."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, eviction: str = "lru", tier: str = "pool") -> None:
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.tier = tier
         self._ref = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free: EvictionPolicy = make_policy(eviction, list(range(num_blocks)))
         self._cached: dict[BlockHash, int] = {}
+        self._subscribers: list[Subscriber] = []
+        self._seq = 0
+
+    # -- events ------------------------------------------------------------------------------
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Call ``subscriber`` with every cache event from now on, in order."""
+        self._subscribers.append(subscriber)
+
+    def snapshot(self) -> tuple[int, dict[BlockHash, int]]:
+        """The hash → block map and the sequence number of the last event it includes."""
+        return self._seq, dict(self._cached)
+
+    def _emit(self, kind: type[CacheEvent], block_hash: BlockHash, block_id: int) -> None:
+        self._seq += 1  # counted even unobserved, so a later subscriber's snapshot numbers line up
+        if not self._subscribers:
+            return
+        event = kind(self._seq, block_hash, block_id, self.tier)
+        for sub in self._subscribers:
+            sub(event)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -77,7 +101,7 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
         out: list[int] = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
+            block = self._free.pop()
             self._evict_hash(block)
             self._ref[block] = 1
             out.append(block)
@@ -87,8 +111,11 @@ class BlockPool:
         """Take one more reference on each block (a prefix-cache hit or a shared fork)."""
         for b in blocks:
             if self._ref[b] == 0:
-                del self._free[b]
+                self._free.remove(b)
             self._ref[b] += 1
+            h = self._hash_of[b]
+            if h is not None:
+                self._emit(BlockTouched, h, b)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference on each block. A block whose count reaches 0 goes to the back of the
@@ -99,7 +126,7 @@ class BlockPool:
                 raise RuntimeError(f"block {b} freed more often than it was taken")
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free[b] = None
+                self._free.push(b)
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Make a full, used block findable by its hash. If another block already holds the
@@ -110,11 +137,12 @@ class BlockPool:
             return
         self._hash_of[block_id] = block_hash
         self._cached[block_hash] = block_id
+        self._emit(BlockStored, block_hash, block_id)
 
     def reset_cache(self) -> int:
         """Forget every cached-free block's hash (e.g. after weights change). Returns how many."""
         n = 0
-        for b in self._free:
+        for b in list(self._free):
             if self._hash_of[b] is not None:
                 self._evict_hash(b)
                 n += 1
@@ -126,6 +154,7 @@ class BlockPool:
             self._hash_of[block] = None
             if self._cached.get(h) == block:
                 del self._cached[h]
+                self._emit(BlockRemoved, h, block)
 
     # -- checking ----------------------------------------------------------------------------
     def check(self) -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
+from kvserve.kv.codec_names import FLOAT_CODECS, resolve_kv_dtype, split_kv_dtype
+
+__all__ = ["FLOAT_KV_DTYPES", "KV_DTYPES", "resolve_kv_dtype", "split_kv_dtype"]
 
 
 @dataclass(frozen=True)
@@ -59,49 +62,7 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int8": KVDtype("int8", 8, 4.0),  # symmetric, one fp32 scale per token per head
     "int4": KVDtype("int4", 4, 0.0),  # scales depend on head_dim: see int4_scale_bytes
 }
-FLOAT_KV_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-            "float": "float32", "e4m3": "fp8", "fp8_e4m3": "fp8"}
-
-
-def _resolve_one(name: str, model_dtype: str, whole: str) -> str:
-    key = name.strip().lower()
-    if key == "auto":
-        key = model_dtype
-    key = _ALIASES.get(key, key)
-    if key not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {whole!r}; valid: auto, {', '.join(sorted(KV_DTYPES))} "
-                         f"(or 'k:<dtype>,v:<dtype>' for different key and value codecs)")
-    return key
-
-
-def resolve_kv_dtype(name: str, model_dtype: str = "bfloat16") -> str:
-    """Canonical KV dtype name; ``auto`` follows the model's dtype. Unknown names list the valid ones.
-
-    Keys and values may differ: ``"k:int8,v:int4"`` resolves to ``"k:int8,v:int4"`` (and
-    ``"k:int8,v:int8"`` to ``"int8"``), so equal storage always has one name."""
-    text = name.strip().lower()
-    if ":" not in text:
-        return _resolve_one(text, model_dtype, name)
-    sides: dict[str, str] = {}
-    for part in text.split(","):
-        side, sep, value = part.partition(":")
-        side = side.strip()
-        if not sep or side not in ("k", "v") or side in sides:
-            raise ValueError(f"cannot read KV dtype {name!r}; write one dtype ('int8') or both sides "
-                             f"once each ('k:int8,v:int4')")
-        sides[side] = _resolve_one(value, model_dtype, name)
-    if set(sides) != {"k", "v"}:
-        raise ValueError(f"KV dtype {name!r} must name both sides: 'k:<dtype>,v:<dtype>'")
-    return sides["k"] if sides["k"] == sides["v"] else f"k:{sides['k']},v:{sides['v']}"
-
-
-def split_kv_dtype(kv_dtype: str) -> tuple[str, str]:
-    """Canonical name -> (key dtype, value dtype)."""
-    if kv_dtype.startswith("k:"):
-        k, v = kv_dtype.split(",")
-        return k.removeprefix("k:"), v.removeprefix("v:")
-    return kv_dtype, kv_dtype
+FLOAT_KV_DTYPES: tuple[str, ...] = FLOAT_CODECS
 
 
 def side_bytes_per_head(name: str, side: str, head_dim: int, group_size: int) -> float:

@@ -24,14 +24,25 @@ or one session block, so ``sum(ref counts) == sum(len(tables)) + sum(len(session
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
-from kvserve.kv.hashing import BlockHash, hash_full_blocks
+from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.request import Request, RequestStatus
+
+
+class BlockSource(enum.Enum):
+    """Where a request's already-computed KV came from."""
+
+    NONE = "none"
+    PREFIX = "prefix"    # the prefix cache (full blocks found by chained hash)
+    SESSION = "session"  # its session's blocks, moved over as they are
+    FORK = "fork"        # its leader's prompt blocks (n > 1 siblings)
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class ComputedBlocks:
 
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
-    source: str = "none"  # "prefix", "session" or "fork"
+    source: BlockSource = BlockSource.NONE
 
 
 @dataclass
@@ -64,18 +75,25 @@ class _Plan:
         return self.need_new + len(self.cow) + self.revived
 
 
+def default_root_key(block_size: int) -> BlockHash:
+    """The root of a manager built without an engine (tests, tools): no model named."""
+    return root_key("unnamed-model", "unnamed-codec", block_size)
+
+
 class KVCacheManager:
     """Block tables over one :class:`BlockPool`, with prefix caching and sessions."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 extra_key: tuple[str, ...] = (), session_idle_timeout_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 root_key: BlockHash | None = None, session_idle_timeout_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic, session_retention_s: float | None = None,
+                 max_sessions_per_tenant: int | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.extra_key = extra_key  # what else shapes every block's contents (e.g. the KV codec)
+        # names the model, codec and block size: every block hash chains from it (kv/hashing.py)
+        self.root_key = root_key if root_key is not None else default_root_key(block_size)
         self.stats = PrefixCacheStats()
-        self.sessions = SessionTable(session_idle_timeout_s, clock)
+        self.sessions = SessionTable(session_idle_timeout_s, clock, session_retention_s, max_sessions_per_tenant)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -85,12 +103,17 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
     def usage(self) -> PoolUsage:
         return self.pool.usage()
 
     def num_pinned_blocks(self) -> int:
-        """Blocks held by sessions between turns."""
-        return sum(len(s.blocks) for s in self.sessions.all())
+        """Distinct blocks held by sessions between turns (a block shared by several sessions,
+        e.g. a common system prompt, counts once)."""
+        return len({b for s in self.sessions.all() for b in s.blocks})
 
     def tokens_held(self, num_computed: dict[str, int]) -> int:
         """Tokens whose KV sits in used blocks (read-only; for the fragmentation metric).
@@ -109,13 +132,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _extra(self, req: Request) -> tuple[str, ...]:
-        codec = (f"kv:{req.kv_cache_dtype}",) if req.kv_cache_dtype else ()  # a per-request KV codec
-        return self.extra_key + codec + ((f"salt:{req.cache_salt}",) if req.cache_salt else ())
-
     def _block_hashes(self, req: Request) -> list[BlockHash]:
-        hashes = hash_full_blocks(req.all_token_ids, self.block_size, self._extra(req),
-                                  self._hashes.get(req.request_id))
+        root = request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
+        hashes = hash_full_blocks(req.all_token_ids, self.block_size, root, self._hashes.get(req.request_id))
         self._hashes[req.request_id] = hashes
         return hashes
 
@@ -125,12 +144,13 @@ class KVCacheManager:
         because the last position's logits are needed to sample."""
         limit = req.num_tokens - 1
         session = self.sessions.get(req.session_id) if req.session_id else None
-        if session is not None and session.resident and session.num_computed <= limit:
-            return ComputedBlocks(tuple(session.blocks), session.num_computed, "session")
+        if (session is not None and session.resident and session.num_computed <= limit
+                and session.cache_salt == req.cache_salt):  # another tenant's KV: the salted cache
+            return ComputedBlocks(tuple(session.blocks), session.num_computed, BlockSource.SESSION)
         lead_table = self._tables.get(req.leader.request_id) if req.leader else None
         if lead_table and req.leader is not None and req.leader.num_computed_tokens >= req.num_prompt_tokens:
             n = req.num_prompt_tokens - 1
-            return ComputedBlocks(tuple(lead_table[:self.blocks_needed(req.num_prompt_tokens)]), n, "fork")
+            return ComputedBlocks(tuple(lead_table[:self.blocks_needed(req.num_prompt_tokens)]), n, BlockSource.FORK)
         if not self.enable_prefix_caching:
             return ComputedBlocks()
         hits: list[int] = []
@@ -139,7 +159,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(tuple(hits), len(hits) * self.block_size, "prefix" if hits else "none")
+        return ComputedBlocks(tuple(hits), len(hits) * self.block_size,
+                              BlockSource.PREFIX if hits else BlockSource.NONE)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: ComputedBlocks = ComputedBlocks()) -> bool:
@@ -150,10 +171,10 @@ class KVCacheManager:
         start = req.num_computed_tokens + computed.num_tokens
         plan = self._plan(table, start, start + num_new_tokens, computed)
         while plan.blocks_wanted > self.pool.num_free:
-            victims = [s for s in self.sessions.resident() if s.session_id != req.session_id]
-            if not victims:
+            victim = next((s for s in self.sessions.resident() if s.session_id != req.session_id), None)
+            if victim is None:
                 return False
-            self.release_session(victims[0], evicted=True)
+            self.release_session(victim, evicted=True)
             plan = self._plan(table, start, start + num_new_tokens, computed)
         self._take(req, computed)
         for i in plan.cow:
@@ -167,7 +188,7 @@ class KVCacheManager:
         return True
 
     def _plan(self, table: list[int], start: int, end: int, computed: ComputedBlocks) -> _Plan:
-        touched = set(computed.blocks) if computed.source in ("prefix", "fork") else set()
+        touched = set(computed.blocks) if computed.source in (BlockSource.PREFIX, BlockSource.FORK) else set()
         plan = _Plan(need_new=self.blocks_needed(end) - len(table))
         plan.revived = sum(1 for b in touched if self.pool.ref_count(b) == 0)
         for i in range(start // self.block_size, min(len(table), self.blocks_needed(end))):
@@ -179,21 +200,24 @@ class KVCacheManager:
     def _take(self, req: Request, computed: ComputedBlocks) -> None:
         """Take the references of a hit: a session's blocks move over; others gain a reference."""
         first_admission = req.request_id not in self._tables
-        if computed.source == "session":
+        if computed.source is BlockSource.SESSION:
             session = self.sessions.get(req.session_id or "")
             assert session is not None
-            session.blocks, session.num_computed = [], 0
+            self.sessions.take_blocks(session)
         else:
             self.pool.touch(list(computed.blocks))
         if first_admission:
-            self._num_cached[req.request_id] = len(computed.blocks) if computed.source == "prefix" else 0
+            self._num_cached[req.request_id] = len(computed.blocks) if computed.source is BlockSource.PREFIX else 0
             if self.enable_prefix_caching:
                 self.stats.queries += req.num_tokens
                 self.stats.hits += computed.num_tokens
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+    def take_block_ops(self) -> list[BlockOp]:
+        """The block operations queued since the last call (copy-on-write copies today), for the
+        step record; the storage runs them before the forward."""
+        ops: list[BlockOp] = [CopyBlock(src, dst) for src, dst in self.pending_copies]
+        self.pending_copies = []
+        return ops
 
     def cache_blocks(self, req: Request) -> None:
         """Make the request's newly completed full blocks findable (prompt and generated tokens)."""
@@ -219,39 +243,47 @@ class KVCacheManager:
         self._num_cached.pop(req.request_id, None)
         session = self.sessions.get(req.session_id) if req.session_id else None
         if session is not None and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            session.blocks, session.num_computed, session.busy = table, req.num_computed_tokens, False
-            session.token_ids = req.all_token_ids
-            self.sessions.touch(session)
+            if session.blocks:  # a turn under another salt did not take the session's old blocks
+                self.release_session(session)
+            self.sessions.end_turn(session, table, req.num_computed_tokens, req.all_token_ids, req.cache_salt)
         else:
             self.pool.free(list(reversed(table)))
             if session is not None and req.status.finished:
-                session.busy = False
-                self.sessions.touch(session)
+                self.sessions.abandon_turn(session)
         if req.status.finished:
             self._hashes.pop(req.request_id, None)
 
     # -- sessions ----------------------------------------------------------------------------
-    def begin_turn(self, session_id: str) -> Session:
-        """Mark a session as serving a turn (creating it if new). One turn at a time."""
-        session = self.sessions.get_or_create(session_id)
-        if session.busy:
-            raise ValueError(f"session {session_id!r} is already serving a turn; wait for it to finish")
-        session.busy = True
-        self.sessions.touch(session)
+    def begin_turn(self, session_id: str, turn_start: int = 0, tenant: str | None = None) -> Session:
+        """Mark a session as serving a turn whose new tokens start at ``turn_start`` (creating it
+        if new; a tenant over its session cap forgets its least recently used idle session)."""
+        session, forgotten = self.sessions.begin_turn(session_id, turn_start, tenant)
+        for old in forgotten:
+            self.pool.free(list(reversed(self.sessions.drop_blocks(old))))
         return session
 
     def release_session(self, session: Session, evicted: bool = False, expired: bool = False) -> None:
         """Give a session's blocks back (its full blocks stay findable in the prefix cache)."""
-        self.pool.free(list(reversed(session.blocks)))
-        session.blocks, session.num_computed = [], 0
+        self.pool.free(list(reversed(self.sessions.drop_blocks(session))))
         self.sessions.stats.evicted += evicted
         self.sessions.stats.expired += expired
 
+    def drop_oldest_turns(self, session: Session, cut: int) -> None:
+        """Forget a session's history before token ``cut``; its KV is released (positions shift,
+        so what remains is recomputed)."""
+        self.release_session(session)
+        self.sessions.truncate_front(session, cut)
+
     def expire_sessions(self) -> int:
-        """Release every idle session past its timeout. Returns how many."""
+        """Release idle sessions past their timeout, forget those past retention. Returns how many
+        were released."""
         expired = self.sessions.expired()
         for s in expired:
             self.release_session(s, expired=True)
+        for s in self.sessions.past_retention():
+            self.release_session(s)
+            self.sessions.remove(s.session_id)
+            self.sessions.stats.forgotten += 1
         return len(expired)
 
     def close_session(self, session_id: str) -> bool:
@@ -270,6 +302,6 @@ class KVCacheManager:
     def check(self) -> None:
         """Assert the pool's invariants and that references match tables and session blocks."""
         self.pool.check()
-        held = sum(len(t) for t in self._tables.values()) + self.num_pinned_blocks()
+        held = sum(len(t) for t in self._tables.values()) + sum(len(s.blocks) for s in self.sessions.all())
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))
         assert held == refs, f"tables and sessions hold {held} references but the pool counts {refs}"

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv.codec_names import CODEC_NAMES, KVCodecSpec, canonical_codec_name, parse_kv_codecs
+
+__all__ = ["CODEC_NAMES", "Codec", "KVCodecSpec", "make_codec", "parse_kv_codecs", "round_trip"]
+
 Fields = dict[str, torch.Tensor]
 
 
@@ -290,79 +294,10 @@ def _check_even(head_dim: int) -> None:
 
 # -- the registry -----------------------------------------------------------------------------
 
-CODEC_NAMES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8", "int8", "int4")
-_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-            "e4m3": "fp8", "fp8_e4m3": "fp8"}
-_LAYOUT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-                 "fp8": "fp8", "int8": "int8", "int4": "int4"}
-_MODEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def canonical_codec_name(name: str, model_dtype: str = "bfloat16") -> str:
-    """``bf16``/``bfloat16``/``auto`` … -> a registry name. Unknown names list the valid ones."""
-    key = name.strip().lower()
-    if key == "auto":
-        return _MODEL_DTYPES.get(model_dtype, "bf16")
-    key = _ALIASES.get(key, key)
-    if key not in CODEC_NAMES:
-        raise ValueError(f"unknown KV codec {name!r}; valid: auto, {', '.join(CODEC_NAMES)} "
-                         f"(or 'k:<codec>,v:<codec>' for different key and value codecs)")
-    return key
-
-
-@dataclass(frozen=True)
-class KVCodecSpec:
-    """The codecs of the key side and the value side (registry names), e.g. ``k:int8,v:int4``."""
-
-    k: str
-    v: str
-
-    def __post_init__(self) -> None:
-        for name in (self.k, self.v):
-            if name not in CODEC_NAMES:
-                raise ValueError(f"unknown KV codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
-
-    @property
-    def name(self) -> str:
-        """``int8`` when both sides agree, else ``k:int8,v:int4`` (parses back to the same spec)."""
-        return self.k if self.k == self.v else f"k:{self.k},v:{self.v}"
-
-    @property
-    def lossy(self) -> bool:
-        return self.k not in ("bf16", "fp16", "fp32") or self.v not in ("bf16", "fp16", "fp32")
-
-    @property
-    def layout_names(self) -> tuple[str, str]:
-        """The K and V names :mod:`kvserve.kv.layout` uses (``bfloat16`` for ``bf16`` …)."""
-        return _LAYOUT_NAMES[self.k], _LAYOUT_NAMES[self.v]
-
-
-def parse_kv_codecs(spec: str, model_dtype: str = "bfloat16") -> KVCodecSpec:
-    """``"int8"`` (both sides), ``"k:int8,v:int4"`` or ``"auto"`` (the model dtype).
-
-    Raises ValueError naming the valid codecs for an unknown name or a malformed spec."""
-    text = spec.strip().lower()
-    if ":" not in text:
-        name = canonical_codec_name(text, model_dtype)
-        return KVCodecSpec(name, name)
-    sides: dict[str, str] = {}
-    for part in text.split(","):
-        side, sep, name = part.partition(":")
-        side = side.strip()
-        if not sep or side not in ("k", "v") or side in sides:
-            raise ValueError(f"cannot read KV codec spec {spec!r}; write one codec ('int8') or both "
-                             f"sides once each ('k:int8,v:int4')")
-        sides[side] = canonical_codec_name(name, model_dtype)
-    if set(sides) != {"k", "v"}:
-        raise ValueError(f"KV codec spec {spec!r} must name both sides: 'k:<codec>,v:<codec>'")
-    return KVCodecSpec(sides["k"], sides["v"])
-
-
-_IDENTITY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FACTORIES: dict[str, Callable[[str, int], Codec]] = {
-    "bf16": lambda side, g: IdentityCodec("bf16", torch.bfloat16),
-    "fp16": lambda side, g: IdentityCodec("fp16", torch.float16),
-    "fp32": lambda side, g: IdentityCodec("fp32", torch.float32),
+    "bfloat16": lambda side, g: IdentityCodec("bfloat16", torch.bfloat16),
+    "float16": lambda side, g: IdentityCodec("float16", torch.float16),
+    "float32": lambda side, g: IdentityCodec("float32", torch.float32),
     "fp8": lambda side, g: Fp8Codec(),
     "int8": lambda side, g: Int8Codec(),
     "int4": lambda side, g: Int4ChannelCodec(g) if side == "k" else Int4TokenCodec(),

@@ -46,110 +46,29 @@ Invariants
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from kvserve.kv.quant import Codec, Fields, FieldSpec, KVCodecSpec, make_codec, parse_kv_codecs
+from kvserve.contract.block_ops import BlockOp, CopyBlock, NoTierConfigured
+from kvserve.kv.codec_pairs import CodecPair, CodecPairs, field_views
+from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, put_blocks
+from kvserve.kv.quant import Fields, KVCodecSpec
+from kvserve.kv.shadow_window import ShadowWindow
+from kvserve.kv.write_plan import PlanBuilder, WritePlan, Writes
 
 
 class _Chunk(Protocol):
-    """What storage needs of a scheduled chunk (``kvserve.scheduler.output.ScheduledChunk``)."""
+    """What storage needs of a scheduled chunk (:class:`kvserve.contract.ScheduledChunk`)."""
 
     @property
     def start(self) -> int: ...
 
     @property
-    def block_table(self) -> tuple[int, ...]: ...
+    def block_ids(self) -> Sequence[int]: ...
 
     @property
     def end(self) -> int: ...
-
-    @property
-    def request(self) -> object: ...
-
-
-@dataclass(frozen=True)
-class CodecPair:
-    """The K and V codecs of one spec, with where their fields sit in a block's regions."""
-
-    spec: KVCodecSpec
-    k: Codec
-    v: Codec
-    k_fields: tuple[tuple[FieldSpec, int], ...]  # (field, byte offset in the K region)
-    v_fields: tuple[tuple[FieldSpec, int], ...]
-    sinks: bool  # first tokens of a sequence read from a shadow
-    joint: bool  # K and V use one codec with one field layout: decoded in one call
-
-    @property
-    def lossy(self) -> bool:
-        return self.spec.lossy
-
-
-def _place(fields: tuple[FieldSpec, ...]) -> tuple[tuple[FieldSpec, int], ...]:
-    """Widest element first, so each field starts aligned to its element size."""
-    out, off = [], 0
-    for f in sorted(fields, key=lambda f: -f.dtype.itemsize):
-        out.append((f, off))
-        off += f.nbytes
-    return tuple(out)
-
-
-def _field_views(region: torch.Tensor, placed: tuple[tuple[FieldSpec, int], ...]) -> Fields:
-    """Typed views ``[rows, *field.shape]`` of a ``uint8 [rows, region bytes]`` tensor."""
-    rows = region.shape[0]
-    return {f.name: region[:, off:off + f.nbytes].view(f.dtype).view(rows, *f.shape) for f, off in placed}
-
-
-@dataclass
-class _Shadow:
-    block: int
-    short: bool = False
-    tail: bool = False
-    sink: bool = False
-    last_step: int = 0
-
-    @property
-    def needed(self) -> bool:
-        return self.short or self.tail or self.sink
-
-
-@dataclass
-class _Writes:
-    """Per codec pair: token ``rows`` of the step's batch go to (``blocks``, ``offsets``)."""
-
-    rows: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _TokenWrite:
-    rows: torch.Tensor
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-    all_rows: bool  # rows == 0..T-1: index nothing
-
-
-@dataclass(frozen=True)
-class _Finalize:
-    """Blocks whose int4 key groups are encoded this step, from batch rows or from shadow slots."""
-
-    blocks: torch.Tensor
-    first_rows: torch.Tensor | None  # direct: rows first_rows + 0..bs-1 of the batch
-    slots: torch.Tensor | None       # else: from these shadow slots
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Everything a layer needs to write this step's tokens; the same for every layer."""
-
-    writes: dict[int, _TokenWrite]
-    shadow_rows: torch.Tensor | None
-    shadow_slots: torch.Tensor | None
-    shadow_offsets: torch.Tensor | None
-    finalize: list[tuple[int, _Finalize]]
 
 
 class KVStorage:
@@ -168,10 +87,10 @@ class KVStorage:
         self.group_size, self.min_tokens, self.sink_tokens = group_size, min_tokens, sink_tokens
         self.device = torch.device(device)
         self.window_blocks = window_blocks
-        self.pairs: list[CodecPair] = []
-        self._pair_ids: dict[str, int] = {}
-        pool_pair = self.pairs[self._add_pair(pool)]
-        self.pool = pool_pair
+        self.codecs = CodecPairs(pool, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+                                 group_size=group_size, sink_tokens=sink_tokens, model_dtype=_dtype_name(dtype))
+        self.pairs = self.codecs.pairs  # by id; 0 is the pool's own
+        pool_pair = self.pool = self.codecs.pool
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.plain_dtype = _plain_dtype(pool_pair)
         self.plain: list[torch.Tensor] | None = None
@@ -184,7 +103,7 @@ class KVStorage:
             self._bufs = list(self.plain)
             self.planes = [t.view(2, num_blocks, -1).view(torch.uint8) for t in self.plain]
         else:
-            kb, vb = self._region_bytes(pool_pair)
+            kb, vb = self.codecs.region_bytes
             if kb == vb:
                 self._bufs = [torch.empty((2, num_blocks, kb), dtype=torch.uint8, device=self.device)
                               for _ in range(num_layers)]
@@ -204,60 +123,23 @@ class KVStorage:
         self.fill = [0] * num_blocks
         self.pairs_used: set[int] = {0}
         self._block_pair_t = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)
-        self.shadow_of: dict[int, int] = {}
-        self._slots: list[_Shadow | None] = [None] * window_blocks
-        self._free_slots = list(range(window_blocks - 1, -1, -1))
+        self.window = ShadowWindow(window_blocks)
+        self.shadow_of = self.window.shadow_of  # pool block -> window slot (the window owns it)
         self._has_shadow = torch.zeros(num_blocks, dtype=torch.bool, device=self.device)
         self._shadow_slot = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)
         self._shadow_rows = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)
         self._unneeded: set[int] = set()
         self._views: dict[tuple[int, int, str], Fields] = {}
         self.step_no = 0
-        self.plan: StepPlan | None = None
-        self._layers = [LayerKV(self, i) for i in range(num_layers)]
+        self.plan: WritePlan | None = None
+        self._layers = [CodecLayerKV(self, i) for i in range(num_layers)]
+        self._plain_layers = [PlainLayerKV(t) for t in self.plain] if self.plain is not None else None
 
     # -- codecs ------------------------------------------------------------------------------
-    @property
-    def kv_regions_bytes(self) -> tuple[int, int]:
-        return self.k_regions[0].shape[1], self.v_regions[0].shape[1]
-
-    def _region_bytes(self, pair: CodecPair) -> tuple[int, int]:
-        args = (self.block_size, self.kv_heads, self.head_dim)
-        return pair.k.block_bytes(*args), pair.v.block_bytes(*args)
-
-    def _add_pair(self, spec: KVCodecSpec) -> int:
-        if spec.name in self._pair_ids:
-            return self._pair_ids[spec.name]
-        k = make_codec(spec.k, "k", self.group_size)
-        v = make_codec(spec.v, "v", self.group_size)
-        args = (self.block_size, self.kv_heads, self.head_dim)
-        kf, vf = _place(k.fields(*args)), _place(v.fields(*args))
-        pair = CodecPair(spec, k, v, kf, vf, sinks=self.sink_tokens > 0 and "int4" in (spec.k, spec.v),
-                         joint=spec.k == spec.v and not k.grouped and kf == vf)
-        self.pairs.append(pair)
-        self._pair_ids[spec.name] = len(self.pairs) - 1
-        return len(self.pairs) - 1
-
     def pair_for(self, spec: str | KVCodecSpec | None) -> int:
-        """The id of a codec pair for a request's ``kv_cache_dtype`` (``None`` = the pool's), checking
-        that it fits this pool. Raises ValueError naming what does fit."""
-        if spec is None:
-            return 0
-        parsed = spec if isinstance(spec, KVCodecSpec) else parse_kv_codecs(spec, _dtype_name(self.dtype))
-        if parsed.name in self._pair_ids:
-            return self._pair_ids[parsed.name]
-        k = make_codec(parsed.k, "k", self.group_size)
-        v = make_codec(parsed.v, "v", self.group_size)
-        args = (self.block_size, self.kv_heads, self.head_dim)
-        kb, vb = self.kv_regions_bytes
-        if k.block_bytes(*args) > kb or v.block_bytes(*args) > vb:
-            raise ValueError(f"kv_cache_dtype {parsed.name!r} needs more bytes per block than this engine's "
-                             f"{self.pool.spec.name!r} pool holds; use a codec no wider than the pool's")
-        needs_window = k.grouped or (self.sink_tokens > 0 and "int4" in (parsed.k, parsed.v))
-        if needs_window and not (self.pool.k.grouped or self.pool.sinks):
-            raise ValueError(f"kv_cache_dtype {parsed.name!r} keeps unfinished int4 key groups or sink "
-                             f"tokens in full precision, which needs an engine whose kv_cache_dtype uses int4")
-        return self._add_pair(parsed)
+        """The codec pair id for a request's ``kv_cache_dtype`` (None = the pool's); see
+        :meth:`kvserve.kv.codec_pairs.CodecPairs.pair_for`."""
+        return self.codecs.pair_for(spec)
 
     # -- bytes -------------------------------------------------------------------------------
     @property
@@ -269,59 +151,63 @@ class KVStorage:
         return sum(t.numel() * t.element_size() for t in self.shadows)
 
     # -- per step ------------------------------------------------------------------------------
-    def layers(self) -> list[torch.Tensor] | list[LayerKV]:
+    def layers(self) -> list[LayerKV]:
         """What the model gets per layer: the plain tensors while every block is the float pool's
         own codec (the classic fast path), else codec-aware layer views."""
-        if self.plain is not None and self.pairs_used == {0}:
-            return self.plain
-        return self._layers
+        if self._plain_layers is not None and self.pairs_used == {0}:
+            return self._plain_layers  # type: ignore[return-value]
+        return self._layers  # type: ignore[return-value]
 
-    def begin_step(self, chunks: Sequence[_Chunk], copies: Sequence[tuple[int, int]] = ()) -> StepPlan:
-        """Apply copy-on-write copies, update block state and shadows for this step's chunks, and
-        build the write plan every layer follows. Chunks are in batch order."""
+    def run_block_ops(self, ops: Sequence[BlockOp]) -> None:
+        """Run a step's block operations in order, before its forward. Only ``CopyBlock`` has an
+        endpoint today; the others need a tier or a peer (the tiers issue) and are refused."""
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                self._copy_block(op.src, op.dst)
+            else:
+                raise NoTierConfigured(f"{type(op).__name__} needs a KV tier or peer, and none is configured "
+                                       f"(only copy runs without one)")
+
+    def begin_step(self, chunks: Sequence[_Chunk], codecs: Sequence[str | None] | None = None) -> WritePlan:
+        """Update block state and shadows for this step's chunks (``codecs[i]``: chunk i's KV codec,
+        None for the pool's own), and build the write plan every layer follows. Chunks are in
+        batch order; block operations ran before (:meth:`run_block_ops`)."""
         self.step_no += 1
-        for src, dst in copies:
-            self._copy_block(src, dst)
-        writes: dict[int, _Writes] = {}
-        sh_rows: list[int] = []
-        sh_slots: list[int] = []
-        sh_offs: list[int] = []
-        direct: dict[int, tuple[list[int], list[int]]] = {}
-        from_shadow: dict[int, tuple[list[int], list[int]]] = {}
+        pb = PlanBuilder()
         bs = self.block_size
         row0 = 0
-        for c in chunks:
-            pid = self.pair_for(getattr(c.request, "kv_cache_dtype", None))
+        for c, codec in zip(chunks, codecs or [None] * len(chunks)):
+            pid = self.pair_for(codec)
             self.pairs_used.add(pid)
             short = self._is_short(pid, c.end)
             if self.pairs[pid].lossy and not short and c.start < self.min_tokens:
                 self._cross(c, pid)
-            table = c.block_table
+            table = c.block_ids
             for i in range(c.start // bs, (c.end - 1) // bs + 1):
                 b = table[i]
                 lo = max(c.start, i * bs) - i * bs
                 hi = min(c.end, (i + 1) * bs) - i * bs
                 if lo == 0:
-                    self._restart(b, pid)
+                    self.restart_block(b, pid)
                 pair = self.pairs[self.block_pair[b]]
                 slot = self._shadow_for_block(b, i, lo, hi, pair, short)
                 first_row = row0 + (i * bs + lo - c.start)
-                w = writes.setdefault(self.block_pair[b], _Writes())
+                w = pb.writes.setdefault(self.block_pair[b], Writes())
                 for off in range(lo, hi):
                     w.rows.append(first_row + off - lo)
                     w.blocks.append(b)
                     w.offsets.append(off)
                     if slot is not None:
-                        sh_rows.append(first_row + off - lo)
-                        sh_slots.append(slot)
-                        sh_offs.append(off)
+                        pb.sh_rows.append(first_row + off - lo)
+                        pb.sh_slots.append(slot)
+                        pb.sh_offs.append(off)
                 if pair.k.grouped and hi == bs:
                     if slot is None:  # the whole block is in this step's batch
-                        d = direct.setdefault(self.block_pair[b], ([], []))
+                        d = pb.direct.setdefault(self.block_pair[b], ([], []))
                         d[0].append(b)
                         d[1].append(first_row)
                     else:
-                        s = from_shadow.setdefault(self.block_pair[b], ([], []))
+                        s = pb.from_shadow.setdefault(self.block_pair[b], ([], []))
                         s[0].append(b)
                         s[1].append(slot)
                         self._set_flags(b, tail=False)
@@ -329,31 +215,14 @@ class KVStorage:
             if short:
                 self._touch_table(table, c.end)
             row0 += c.end - c.start
-        self.plan = self._build_plan(writes, sh_rows, sh_slots, sh_offs, direct, from_shadow)
+        self.plan = pb.build(self.device)
         return self.plan
 
     def _is_short(self, pid: int, end: int) -> bool:
         return self.pairs[pid].lossy and self.window_blocks > 0 and end < self.min_tokens
 
-    def _build_plan(self, writes: dict[int, _Writes], sh_rows: list[int], sh_slots: list[int],
-                    sh_offs: list[int], direct: dict[int, tuple[list[int], list[int]]],
-                    from_shadow: dict[int, tuple[list[int], list[int]]]) -> StepPlan:
-        dev = self.device
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=dev)
-
-        total = sum(len(w.rows) for w in writes.values())
-        token_writes = {pid: _TokenWrite(t(w.rows), t(w.blocks), t(w.offsets), w.rows == list(range(total)))
-                        for pid, w in writes.items()}
-        finalize = [(pid, _Finalize(t(b), t(r), None)) for pid, (b, r) in direct.items()]
-        finalize += [(pid, _Finalize(t(b), None, t(s))) for pid, (b, s) in from_shadow.items()]
-        if sh_rows:
-            return StepPlan(token_writes, t(sh_rows), t(sh_slots), t(sh_offs), finalize)
-        return StepPlan(token_writes, None, None, None, finalize)
-
     # -- block state -------------------------------------------------------------------------
-    def _restart(self, b: int, pid: int) -> None:
+    def restart_block(self, b: int, pid: int) -> None:
         """Block ``b`` gets new contents from offset 0 (it was free): it takes the writer's codec,
         and a shadow left by its previous contents goes at once."""
         if b in self.shadow_of:
@@ -383,8 +252,7 @@ class KVStorage:
         slot = self.shadow_of.get(b)
         if slot is None:
             return
-        s = self._slots[slot]
-        assert s is not None
+        s = self.window.at(slot)
         if short is not None:
             s.short = short
         if tail is not None:
@@ -400,24 +268,20 @@ class KVStorage:
     def _cross(self, c: _Chunk, pid: int) -> None:
         """The sequence reaches ``min_tokens`` this step: its short shadows go (reads use the codec
         data written all along); an int4 tail or sink stays."""
-        for b in c.block_table[: -(-c.start // self.block_size)]:
+        for b in c.block_ids[: -(-c.start // self.block_size)]:
             if b in self.shadow_of:
                 self._set_flags(b, short=False)
 
-    def _touch_table(self, table: tuple[int, ...], end: int) -> None:
+    def _touch_table(self, table: Sequence[int], end: int) -> None:
         for b in table[: -(-end // self.block_size)]:
-            slot = self.shadow_of.get(b)
-            if slot is not None:
-                s = self._slots[slot]
-                assert s is not None
+            s = self.window.get(b)
+            if s is not None:
                 s.last_step = self.step_no
 
     def _allocate(self, b: int) -> int:
-        if not self._free_slots:
+        if self.window.full:
             self._reclaim()
-        slot = self._free_slots.pop()
-        self._slots[slot] = _Shadow(b, last_step=self.step_no)
-        self.shadow_of[b] = slot
+        slot = self.window.allocate(b, self.step_no)
         self._has_shadow[b] = True
         self._shadow_slot[b] = slot
         self._shadow_rows[b] = self.block_size
@@ -426,34 +290,24 @@ class KVStorage:
     def _reclaim(self) -> None:
         """Free one slot: an unneeded shadow, else the least recently used one untouched this step
         (a tail is sealed first). Raises if every shadow is in use by this step."""
-        best: tuple[int, int] | None = None  # (key, slot)
-        for slot, s in enumerate(self._slots):
-            if s is None or s.last_step == self.step_no:  # this step may still read or finalize it
-                continue
-            key = -1 if not s.needed else s.last_step
-            if best is None or key < best[0]:
-                best = (key, slot)
-        if best is None:
+        s = self.window.victim(self.step_no)
+        if s is None:
             raise RuntimeError(f"the full-precision KV window ({self.window_blocks} blocks) is exhausted by "
                                f"this step's sequences; raise kv_cache_memory or lower max_num_seqs")
-        s = self._slots[best[1]]
-        assert s is not None
         if s.tail and self.fill[s.block] < self.block_size:
-            self._seal(s.block, best[1])
+            self._seal(s.block, self.shadow_of[s.block])
         self._drop(s.block)
 
     def _drop(self, b: int) -> None:
-        slot = self.shadow_of.pop(b)
-        self._slots[slot] = None
-        self._free_slots.append(slot)
+        self.window.drop(b)
         self._has_shadow[b] = False
 
     def end_step(self) -> None:
         """Return the slots of shadows no longer needed. Called after the forward, so a slot is
         never reused inside the step that finished with it."""
         for b in self._unneeded:
-            slot = self.shadow_of.get(b)
-            if slot is not None and not self._slots[slot].needed:  # type: ignore[union-attr]
+            s = self.window.get(b)
+            if s is not None and not s.needed:
                 self._drop(b)
         self._unneeded.clear()
         self.plan = None
@@ -463,7 +317,7 @@ class KVStorage:
         if key not in self._views:
             pair = self.pairs[pid]
             region = self.k_regions[layer] if side == "k" else self.v_regions[layer]
-            self._views[key] = _field_views(region, pair.k_fields if side == "k" else pair.v_fields)
+            self._views[key] = field_views(region, pair.k_fields if side == "k" else pair.v_fields)
         return self._views[key]
 
     def _seal(self, b: int, slot: int) -> None:
@@ -472,7 +326,7 @@ class KVStorage:
         n = torch.tensor([self.fill[b]], device=self.device)
         for layer in range(self.num_layers):
             fields = pair.k.encode_blocks(self.shadows[layer][0, slot:slot + 1], n)
-            _put_blocks(self._pair_views(layer, self.block_pair[b], "k"), fields, torch.tensor([b], device=self.device))
+            put_blocks(self._pair_views(layer, self.block_pair[b], "k"), fields, torch.tensor([b], device=self.device))
 
     def _unseal(self, b: int, slot: int) -> None:
         """A sealed partial block gets a shadow again: start it from the decoded values."""
@@ -485,12 +339,11 @@ class KVStorage:
         for layer in range(self.num_layers):
             self.k_regions[layer][dst] = self.k_regions[layer][src]
             self.v_regions[layer][dst] = self.v_regions[layer][src]
-        self._restart(dst, self.block_pair[src])
+        self.restart_block(dst, self.block_pair[src])
         self.fill[dst] = self.fill[src]
-        slot = self.shadow_of.get(src)
-        if slot is not None:
-            s = self._slots[slot]
-            assert s is not None
+        s = self.window.get(src)
+        if s is not None:
+            slot = self.shadow_of[src]
             new = self._allocate(dst)
             for layer in range(self.num_layers):
                 self.shadows[layer][:, new] = self.shadows[layer][:, slot]
@@ -499,9 +352,7 @@ class KVStorage:
     # -- checks ------------------------------------------------------------------------------
     def check(self) -> None:
         """Assert the shadow bookkeeping is consistent (slots, maps and mirror tensors agree)."""
-        used = {slot for slot, s in enumerate(self._slots) if s is not None}
-        assert used.isdisjoint(self._free_slots) and len(used) + len(self._free_slots) == self.window_blocks
-        assert {self._slots[s].block: s for s in used} == self.shadow_of  # type: ignore[union-attr]
+        self.window.check()
         assert int(self._has_shadow.sum()) == len(self.shadow_of)
         for b, slot in self.shadow_of.items():
             assert int(self._shadow_slot[b]) == slot
@@ -509,16 +360,6 @@ class KVStorage:
     @property
     def num_shadows(self) -> int:
         return len(self.shadow_of)
-
-
-def _put_tokens(views: Fields, fields: Fields, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-    for name, value in fields.items():
-        views[name].index_put_((blocks, offsets), value)
-
-
-def _put_blocks(views: Fields, fields: Fields, blocks: torch.Tensor) -> None:
-    for name, value in fields.items():
-        views[name].index_put_((blocks,), value)
 
 
 def _plain_dtype(pair: CodecPair) -> torch.dtype | None:
@@ -533,118 +374,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
 
 
-class LayerKV:
-    """One layer's view of :class:`KVStorage`, what attention receives instead of a plain tensor.
-
-    ``shape`` mimics the plain ``[2, num_blocks, block_size, kv_heads, head_dim]`` so attention's
-    planning code works unchanged; ``write`` stores a step's K/V (encoding on the way in);
-    ``gather_blocks`` decodes only the blocks asked for (fused gather + dequantize) and lays the
-    shadows' full-precision rows over them."""
-
-    def __init__(self, storage: KVStorage, layer: int) -> None:
-        self.storage = storage
-        self.layer = layer
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        s = self.storage
-        return (2, s.num_blocks, s.block_size, s.kv_heads, s.head_dim)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.storage.dtype
-
-    # -- writing -----------------------------------------------------------------------------
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
-        """Store this step's keys/values ``[T, kv_heads, head_dim]`` as :meth:`KVStorage.begin_step` planned."""
-        s, plan = self.storage, self.storage.plan
-        if plan is None:
-            raise RuntimeError("KVStorage.begin_step must run before a layer writes")
-        for pid, w in plan.writes.items():
-            pair = s.pairs[pid]
-            kw, vw = (k, v) if w.all_rows else (k[w.rows], v[w.rows])
-            if pair.joint:  # one encode for K and V together
-                both = pair.k.encode_tokens(torch.cat((kw, vw)))
-                n = kw.shape[0]
-                _put_tokens(s._pair_views(self.layer, pid, "k"), {f: t[:n] for f, t in both.items()}, w.blocks, w.offsets)
-                _put_tokens(s._pair_views(self.layer, pid, "v"), {f: t[n:] for f, t in both.items()}, w.blocks, w.offsets)
-                continue
-            if not pair.k.grouped:
-                _put_tokens(s._pair_views(self.layer, pid, "k"), pair.k.encode_tokens(kw), w.blocks, w.offsets)
-            _put_tokens(s._pair_views(self.layer, pid, "v"), pair.v.encode_tokens(vw), w.blocks, w.offsets)
-        if plan.shadow_rows is not None:
-            shadow = s.shadows[self.layer]
-            shadow[0].index_put_((plan.shadow_slots, plan.shadow_offsets), k[plan.shadow_rows].to(s.dtype))
-            shadow[1].index_put_((plan.shadow_slots, plan.shadow_offsets), v[plan.shadow_rows].to(s.dtype))
-        for pid, f in plan.finalize:
-            pair = s.pairs[pid]
-            if f.first_rows is not None:
-                rows = f.first_rows[:, None] + torch.arange(s.block_size, device=k.device)
-                x = k[rows]                                             # [m, bs, kvh, d]
-            else:
-                assert f.slots is not None
-                x = s.shadows[self.layer][0].index_select(0, f.slots)
-            _put_blocks(s._pair_views(self.layer, pid, "k"), pair.k.encode_blocks(x), f.blocks)
-
-    # -- reading -----------------------------------------------------------------------------
-    def decode_blocks(self, ids: torch.Tensor) -> torch.Tensor:
-        """Decode blocks ``ids [M]`` from the pool (no shadows): ``[2, M, bs, kvh, d]`` (K, V)."""
-        s = self.storage
-        m = ids.numel()
-        tail = (s.block_size, s.kv_heads, s.head_dim)
-        single = next(iter(s.pairs_used)) if len(s.pairs_used) == 1 else None
-        if s.planes is not None:
-            raw = s.planes[self.layer].index_select(1, ids)              # [2, M, side bytes]: one gather
-            if single is not None and s.pairs[single].joint:
-                return self._decode(raw.view(2 * m, -1), single, "k").view(2, m, *tail)
-            sides = (raw[0], raw[1])
-        else:
-            sides = (s.k_regions[self.layer].index_select(0, ids), s.v_regions[self.layer].index_select(0, ids))
-        out = torch.empty((2, m, *tail), dtype=s.dtype, device=ids.device)
-        if single is not None:
-            out[0] = self._decode(sides[0], single, "k")
-            out[1] = self._decode(sides[1], single, "v")
-            return out
-        pids = s._block_pair_t.index_select(0, ids)
-        for pid in pids.unique().tolist():
-            sel = (pids == pid).nonzero().squeeze(1)
-            out[0, sel] = self._decode(sides[0].index_select(0, sel), pid, "k")
-            out[1, sel] = self._decode(sides[1].index_select(0, sel), pid, "v")
-        return out
-
-    def _decode(self, raw: torch.Tensor, pid: int, side: str) -> torch.Tensor:
-        pair = self.storage.pairs[pid]
-        codec, placed = (pair.k, pair.k_fields) if side == "k" else (pair.v, pair.v_fields)
-        return codec.decode(_field_views(raw, placed), self.storage.dtype)
-
-    def gather_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Blocks ``block_ids`` (any shape ``[*ids]``) in the model dtype: ``[2, *ids, bs, kvh, d]``."""
-        s = self.storage
-        ids = block_ids.reshape(-1)
-        tail = (s.block_size, s.kv_heads, s.head_dim)
-        if s.shadow_of:
-            has = s._has_shadow.index_select(0, ids)
-            if bool(has.all()) and bool((s._shadow_rows.index_select(0, ids) == s.block_size).all()):
-                # Every block read at full precision (a short sequence): no decode at all.
-                slots = s._shadow_slot.index_select(0, ids)
-                return s.shadows[self.layer].index_select(1, slots).view(2, *block_ids.shape, *tail)
-            out = self.decode_blocks(ids)                               # [2, M, bs, kvh, d]
-            if bool(has.any()):
-                sel = has.nonzero().squeeze(1)
-                blocks = ids.index_select(0, sel)
-                slots = s._shadow_slot.index_select(0, blocks)
-                rows = s._shadow_rows.index_select(0, blocks)
-                sub = s.shadows[self.layer].index_select(1, slots)       # [2, r, bs, kvh, d]
-                keep = torch.arange(s.block_size, device=ids.device)[None, :] < rows[:, None]
-                out.index_copy_(1, sel, torch.where(keep[None, :, :, None, None], sub, out.index_select(1, sel)))
-            return out.view(2, *block_ids.shape, *tail)
-        return self.decode_blocks(ids).view(2, *block_ids.shape, *tail)
-
-    def gather(self, block_table: torch.Tensor, seq_len: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's keys and values at positions ``first … seq_len - 1``, each ``[n, kvh, d]``."""
-        bs = self.storage.block_size
-        b0, n_blocks = first // bs, -(-seq_len // bs)
-        blocks = self.gather_blocks(block_table[b0:n_blocks])
-        off = first - b0 * bs
-        kv = blocks.view(2, (n_blocks - b0) * bs, *blocks.shape[-2:])[:, off:seq_len - b0 * bs]
-        return kv[0], kv[1]

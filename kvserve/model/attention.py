@@ -13,17 +13,22 @@ A step packs every scheduled sequence's new tokens into one flat batch (no paddi
 
 Metadata is passed explicitly (no module-level globals), built by ``kvserve.runner.inputs``.
 
-A layer's cache may instead be a codec-aware :class:`kvserve.kv.storage.LayerKV` (fp8/int8/int4 KV):
-it has the same ``shape``, encodes in ``write`` and decodes only the blocks asked for in
-``gather_blocks`` (fused gather + dequantize); everything else here is unchanged.
+A layer's cache is any :class:`kvserve.kv.layer_kv.LayerKV` (the float pool's tensor, or a
+codec-aware view for fp8/int8/int4 that decodes only the blocks asked for): attention calls its
+``write`` and ``gather_blocks`` and never asks which kind it has. This module is the ``torch_sdpa``
+backend of :mod:`kvserve.model.attention_backends`; its step plan (which decodes are batched) is
+built once per step by the runner (:func:`plan_step`), not by the first layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.layer_kv import LayerKV, as_layer_kv
 
 
 @dataclass
@@ -41,8 +46,10 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]    # B tensors of int64 block ids
     block_size: int
     sliding_window: int | None = None
-    # Built by the first layer's paged_attention call, then shared by every layer of the step.
-    _plan: StepPlan | None = field(default=None, init=False, repr=False, compare=False)
+    # The backend's per-step plan, built once by the runner (the backend's ``plan``); None lets
+    # a direct caller (tests) have it built per call.
+    plan: Any = None
+    backend: Any = None  # an AttentionBackend (kvserve.model.attention_backends); None = torch_sdpa
 
     @property
     def num_seqs(self) -> int:
@@ -82,12 +89,14 @@ class StepPlan:
     loop: list[int]
 
 
-def _plan_step(meta: AttentionMetadata, kv_cache: torch.Tensor, device: torch.device) -> StepPlan:
+def plan_step(meta: AttentionMetadata, kv_shape: tuple[int, ...], device: torch.device) -> StepPlan:
+    """Which single-query sequences are attended in one batched call; ``kv_shape`` is a layer's
+    ``(2, num_blocks, block_size, kv_heads, head_dim)``."""
     single = [i for i in range(meta.num_seqs) if meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1]
     lens = [meta.seq_lens[i] for i in single]
     bs = meta.block_size
     n_blocks = -(-max(lens) // bs) if lens else 0
-    per_token = kv_cache.shape[3] * kv_cache.shape[4] * 2
+    per_token = kv_shape[3] * kv_shape[4] * 2
     if len(single) < 2 or len(single) * n_blocks * bs * per_token > MAX_BATCHED_DECODE_ELEMENTS:
         return StepPlan(None, list(range(meta.num_seqs)))
     tables = torch.zeros(len(single), n_blocks, dtype=torch.int64)
@@ -111,38 +120,14 @@ def _plan_step(meta: AttentionMetadata, kv_cache: torch.Tensor, device: torch.de
     return StepPlan(batch, [i for i in range(meta.num_seqs) if i not in chosen])
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values ``[T, kv_heads, head_dim]`` at their slots."""
-    if not isinstance(kv_cache, torch.Tensor):  # LayerKV: encodes through its codec
-        kv_cache.write(k, v, slot_mapping)
-        return
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
-
-
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
+def gather_context(kv_cache: LayerKV, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
     """One sequence's keys and values at positions ``first … seq_len - 1``:
     ``[2, seq_len - first, kv_heads, head_dim]`` (index 0 = K; a view of one gathered copy)."""
     block_size = kv_cache.shape[2]
     b0, n_blocks = first // block_size, -(-seq_len // block_size)
-    blocks = gather_blocks(kv_cache, block_table[b0:n_blocks])  # [2, n, block_size, kvh, d]
+    blocks = kv_cache.gather_blocks(block_table[b0:n_blocks])  # [2, n, block_size, kvh, d]
     off = first - b0 * block_size
     return blocks.view(2, (n_blocks - b0) * block_size, *kv_cache.shape[3:])[:, off:seq_len - b0 * block_size]
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy of the blocks ``block_ids`` (any shape ``[*ids]``): ``[2, *ids, block_size, kvh, d]``.
-
-    ``index_select`` over whole flattened blocks (contiguous rows) is ~5x faster on CPU than
-    advanced indexing ``kv_cache[:, ids]``.
-    """
-    if not isinstance(kv_cache, torch.Tensor):  # LayerKV: gathers, then decodes only these blocks
-        return kv_cache.gather_blocks(block_ids)
-    num_blocks = kv_cache.shape[1]
-    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids.reshape(-1))
-    return rows.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
 
 def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -192,7 +177,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return o.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
 
 
-def _attend_decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBatch, scale: float) -> torch.Tensor:
+def _attend_decode_batch(q: torch.Tensor, kv_cache: LayerKV, plan: DecodeBatch, scale: float) -> torch.Tensor:
     """S single-query sequences at once: q ``[S, H, D]`` -> ``[S, H, D]``.
 
     Contexts are gathered padded to the longest; padded or out-of-window slots are zeroed (caches
@@ -201,7 +186,7 @@ def _attend_decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodeBa
     s, heads, d = q.shape
     kv_heads = kv_cache.shape[3]
     g = heads // kv_heads
-    kv = gather_blocks(kv_cache, plan.tables)                      # [2, S, nb, bs, KVH, D] (a copy)
+    kv = kv_cache.gather_blocks(plan.tables)                       # [2, S, nb, bs, KVH, D] (a copy)
     kv = kv.view(2, s, -1, kv_heads, d)[:, :, : plan.context_len]  # [2, S, L, KVH, D]
     mask = None
     if plan.valid is not None:
@@ -217,7 +202,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LayerKV | torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -231,20 +216,19 @@ def paged_attention(
     there are several (:class:`DecodePlan`); the others (prefill chunks) one by one. Both paths
     compute the same attention (equal up to float rounding).
     """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    if meta._plan is None:
-        meta._plan = _plan_step(meta, kv_cache, q.device)
-    plan = meta._plan
+    cache = as_layer_kv(kv_cache)
+    cache.write(k, v, meta.slot_mapping)
+    plan: StepPlan = meta.plan if meta.plan is not None else plan_step(meta, cache.shape, q.device)
     out = torch.empty_like(q)
     if plan.batch is not None:
-        out[plan.batch.rows] = _attend_decode_batch(q[plan.batch.rows], kv_cache, plan.batch, scale)
+        out[plan.batch.rows] = _attend_decode_batch(q[plan.batch.rows], cache, plan.batch, scale)
     window = meta.sliding_window
     for i in plan.loop:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]
         # With a window, keys before the first query's window are never read: skip them.
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
-        kv = heads_major(gather_context(kv_cache, meta.block_tables[i], seq_len, first), q.dtype)
+        kv = heads_major(gather_context(cache, meta.block_tables[i], seq_len, first), q.dtype)
         mask = _causal_mask(q_len, seq_len - first, window, q.device)
         out[start:end] = _attend(q[start:end], kv[0], kv[1], mask, scale)
     return out

@@ -26,12 +26,14 @@ the loader by default): same values up to fp32 summation order, several times fa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.kv.layer_kv import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, pack_linears
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -82,7 +84,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """x ``[T, hidden]``; cos/sin ``[T, head_dim]`` -> ``[T, hidden]``. Writes this step's K/V."""
         t, h = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(t, -1, self.head_dim)           # [T, H + 2*KVH, D]
@@ -91,7 +93,11 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rotary(qk, cos, sin)                               # q and k heads rotated together
         q, k = qk.split([h, self.num_kv_heads], dim=1)                # [T, H, D], [T, KVH, D]
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)     # [T, H, D]
+        if meta.backend is not None:
+            o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        else:
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -161,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         }
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: Sequence[LayerKV | torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions ``[T]`` int64; ``kv_caches[i]`` is layer i's
         ``[2, num_blocks, block_size, kv_heads, head_dim]``. Returns hidden states ``[T, hidden]``.
 

@@ -157,6 +157,19 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
     return state
 
 
+def load_model_config(path: str | Path, dtype: str = "auto") -> ModelConfig:
+    """The checkpoint's :class:`ModelConfig` with the dtype it will be loaded in (no weights read)."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"model path {root} does not exist")
+    if not root.is_dir():
+        raise FileNotFoundError(f"model path {root} is not a folder; pass a Hugging Face checkpoint folder")
+    config = ModelConfig.from_path(root)
+    if dtype != "auto":
+        config = dataclasses.replace(config, dtype=normalize_dtype(dtype))
+    return config
+
+
 def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
                cpu_fp16_gemm: bool | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for the checkpoint at ``path`` and load its weights (inference mode, no grad).
@@ -169,13 +182,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     without native half arithmetic). ``None`` = on for bf16/fp16 weights on CPU when available.
     """
     root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"model path {root} does not exist")
-    if not root.is_dir():
-        raise FileNotFoundError(f"model path {root} is not a folder; pass a Hugging Face checkpoint folder")
-    config = ModelConfig.from_path(root)
-    if dtype != "auto":
-        config = dataclasses.replace(config, dtype=normalize_dtype(dtype))
+    config = load_model_config(root, dtype)
     files = weight_files(root)
     model_cls = get_model_class(config.architecture)
     with torch.device("meta"):

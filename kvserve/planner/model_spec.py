@@ -118,7 +118,7 @@ def _layer_windows(cfg: dict[str, Any], model_type: str, layers: int, where: str
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window", False):
             return (None,) * layers
-        first = int(cfg.get("max_window_layers") or 0)
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default, like the engine's
         return tuple(window if i >= first else None for i in range(layers))
     if model_type == "llama":
         return (None,) * layers
@@ -193,7 +193,9 @@ def spec_from_hf_dict(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
         vocab_size=_int_field(cfg, "vocab_size", where),
         max_position_embeddings=_opt_int(cfg, "max_position_embeddings", where) or 2048,
         dtype=_weights_dtype(cfg),
-        layer_windows=_layer_windows(cfg, model_type, layers, where),
+        # a supported architecture: the engine's own reading of the window (one source of truth)
+        layer_windows=((engine_cfg.sliding_window,) * layers if engine_cfg is not None
+                       else _layer_windows(cfg, model_type, layers, where)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("qkv_bias", model_type == "qwen2")) or llama_bias,
         o_bias=llama_bias,

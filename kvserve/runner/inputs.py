@@ -4,19 +4,29 @@ For each scheduled chunk (request, tokens ``start..end-1``) this lays out::
 
     input_ids  | chunk0 tokens | chunk1 tokens | ...      flat, no padding     [T]
     positions  | start0..end0-1 | start1..end1-1 | ...                         [T]
-    slots      block_table[p // block_size] * block_size + p % block_size      [T]
-    logits_indices  index in T of the last token of each chunk that samples    [S]
+    slots      block_ids[p // block_size] * block_size + p % block_size        [T]
+    logits_indices  index in T of each sampled position (the chunk's last num_sample)  [S]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.contract import ScheduledChunk
 from kvserve.model.attention import AttentionMetadata
-from kvserve.request import Request
-from kvserve.scheduler.output import ScheduledChunk
+from kvserve.model.attention_backends import AttentionBackend
+from kvserve.runner.state import RequestState
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sampled position: the request's state and the output index the new token takes."""
+
+    state: RequestState
+    output_index: int
 
 
 @dataclass
@@ -25,16 +35,19 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_requests: list[Request]
+    sample_rows: list[SampleRow]
+    sample_counts: list[int]  # per chunk, in order: how many of sample_rows belong to it
 
 
-def slots_for(block_table: tuple[int, ...], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of positions ``start..end-1`` under ``block_table``."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions ``start..end-1`` under ``block_ids``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def build_inputs(chunks: list[ScheduledChunk], block_size: int, sliding_window: int | None,
-                 device: torch.device) -> ModelInputs:
+def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestState], block_size: int,
+                 sliding_window: int | None, device: torch.device, backend: AttentionBackend | None = None,
+                 kv_shape: tuple[int, ...] | None = None) -> ModelInputs:
+    """The step's tensors, with the attention backend's plan built once for every layer."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -42,17 +55,20 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, sliding_window: 
     seq_lens: list[int] = []
     tables: list[torch.Tensor] = []
     logits_indices: list[int] = []
-    sample_requests: list[Request] = []
+    rows: list[SampleRow] = []
+    counts: list[int] = []
     for c in chunks:
-        ids.extend(c.token_ids)
+        state = states[c.request_id]
+        ids.extend(state.token_ids[c.start:c.end])
         positions.extend(range(c.start, c.end))
-        slots.extend(slots_for(c.block_table, c.start, c.end, block_size))
+        slots.extend(slots_for(c.block_ids, c.start, c.end, block_size))
         query_start.append(query_start[-1] + c.num_new_tokens)
         seq_lens.append(c.end)
-        tables.append(torch.tensor(c.block_table, dtype=torch.long))
-        if c.sample:
-            logits_indices.append(query_start[-1] - 1)
-            sample_requests.append(c.request)
+        tables.append(torch.tensor(c.block_ids, dtype=torch.long))
+        for j in range(c.num_sample):  # the chunk's last num_sample positions
+            logits_indices.append(query_start[-1] - c.num_sample + j)
+            rows.append(SampleRow(state, c.end - c.num_sample + j + 1 - state.num_prompt_tokens))
+        counts.append(c.num_sample)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_start_loc=query_start,
@@ -61,10 +77,14 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, sliding_window: 
         block_size=block_size,
         sliding_window=sliding_window,
     )
+    if backend is not None and kv_shape is not None:
+        meta.backend = backend
+        meta.plan = backend.plan(meta, kv_shape, device)
     return ModelInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         meta=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        sample_requests=sample_requests,
+        sample_rows=rows,
+        sample_counts=counts,
     )

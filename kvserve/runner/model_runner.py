@@ -1,25 +1,37 @@
-"""Owns the model and the KV storage; runs one scheduled step.
+"""Owns the model and the KV storage; runs one step record.
 
 KV storage (:class:`kvserve.kv.storage.KVStorage`): for a float KV dtype, one tensor per layer
 ``[2, num_blocks, block_size, kv_heads, head_dim]``; for a lossy codec (fp8, int8, int4) one byte
 tensor per layer holding each block's codec fields, plus the full-precision window. Its byte size
 equals ``KVCapacity.allocated_bytes`` (checked at start-up), so what the engine reports is what it
 holds.
+
+A step (:meth:`ModelRunner.execute`): read the record into the runner's per-request state, run
+the block operations, one forward over every chunk, sample. If the forward or a sample raises,
+the fault is attributed: each chunk is rerun alone and the ones that still raise are reported in
+``RunnerOutput.failed``; the rest are served. Only a fault no request explains (every chunk fails
+alone, in a batch of several) propagates and stops the engine.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
+from kvserve.contract import RunnerOutput, SampledTokens, ScheduledChunk, SchedulerOutput, TokenLogprobs
 from kvserve.kv.layout import KVCapacity, int4_group_size
 from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
+from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.inputs import ModelInputs, build_inputs
-from kvserve.runner.sampler import Sampler, SampleResult
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.runner.sampler import Sampler
+from kvserve.runner.state import RunnerState
 
+log = logging.getLogger("kvserve")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,12 +41,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, capacity: KVCapacity,
-                 kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None) -> None:
+                 kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None,
+                 attention_backend: str = DEFAULT_BACKEND) -> None:
         self.model = model
         self.config = model_config
         self.capacity = capacity
         self.device = device
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler()
+        self.state = RunnerState()
+        self.attention = get_backend(attention_backend)
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -54,28 +69,105 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.storage.nbytes
 
-    def forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
-        """One forward over every scheduled chunk: final hidden states ``[T, hidden]`` and the inputs."""
-        self.storage.begin_step(out.chunks, out.block_copies)  # copy-on-write copies happen here
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ModelInputs]:
+        """One forward over ``chunks``: final hidden states ``[T, hidden]`` and the inputs."""
+        states = self.state.requests
+        self.storage.begin_step(chunks, [states[c.request_id].kv_codec for c in chunks])
         try:
-            inputs = build_inputs(out.chunks, self.capacity.block_size, self.config.sliding_window, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.storage.layers(), inputs.meta)
+            layers = self.storage.layers()
+            inputs = build_inputs(chunks, states, self.capacity.block_size, self.config.sliding_window,
+                                  self.device, self.attention, layers[0].shape)
+            hidden = self.model(inputs.input_ids, inputs.positions, layers, inputs.meta)
         finally:
             self.storage.end_step()
         return hidden, inputs
 
+    def _prepare(self, out: SchedulerOutput) -> None:
+        self.state.apply(out)
+        self.storage.run_block_ops(out.block_ops)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run the model over every scheduled chunk; sample where a chunk reached its end."""
-        hidden, inputs = self.forward(out)
-        if not inputs.sample_requests:
-            return {}
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the model over every scheduled chunk; sample where a chunk asks for it."""
+        self._prepare(out)
+        if not out.chunks:
+            return RunnerOutput(out.step_id)
+        try:
+            result = self._run(out.chunks)
+        except Exception as batch_error:  # noqa: BLE001 - attribute it to requests, or re-raise
+            result = self._isolate(out.chunks, batch_error)
+        result.step_id = out.step_id
+        return result
+
+    def _run(self, chunks: Sequence[ScheduledChunk]) -> RunnerOutput:
+        hidden, inputs = self._forward(chunks)
+        result = RunnerOutput()
+        if not inputs.sample_rows:
+            return result
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        results = self.sampler.sample(logits, inputs.sample_requests)
-        return {req.request_id: r for req, r in zip(inputs.sample_requests, results)}
+        drawn = self.sampler.sample(logits, inputs.sample_rows)
+        i = 0
+        for c, count in zip(chunks, inputs.sample_counts):
+            mine, i = drawn[i:i + count], i + count
+            if not count:
+                continue
+            error = next((d for d in mine if isinstance(d, Exception)), None)
+            if error is not None:
+                result.failed[c.request_id] = f"sampling failed: {error!r}"
+                continue
+            result.sampled[c.request_id] = _accepted(c, mine, self.state.requests[c.request_id].token_ids)  # type: ignore[arg-type]
+        return result
+
+    def _isolate(self, chunks: Sequence[ScheduledChunk], batch_error: Exception) -> RunnerOutput:
+        """Rerun each chunk alone; those that still raise fail, the others are served."""
+        if len(chunks) == 1:
+            log.warning("request %s failed: %r", chunks[0].request_id, batch_error)
+            return RunnerOutput(failed={chunks[0].request_id: f"{batch_error!r}"})
+        merged = RunnerOutput()
+        errors: list[Exception] = []
+        for c in chunks:
+            try:
+                one = self._run([c])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                merged.failed[c.request_id] = f"{e!r}"
+                log.warning("request %s failed: %r", c.request_id, e)
+                continue
+            merged.sampled.update(one.sampled)
+            merged.failed.update(one.failed)
+        if len(errors) == len(chunks):
+            raise batch_error
+        return merged
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of every scheduled token, no logits (benchmarks)."""
+        self._prepare(out)
+        return self._forward(out.chunks)[0]
 
     @torch.inference_mode()
     def score(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[T, vocab]`` (float32) of every scheduled token: teacher-forced evaluation."""
-        hidden, _ = self.forward(out)
+        self._prepare(out)
+        hidden, _ = self._forward(out.chunks)
         return self.model.compute_logits(hidden)
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process (the process runner stops its child here)."""
+
+
+def _accepted(chunk: ScheduledChunk, drawn: list[tuple[int, TokenLogprobs | None]],
+              known: list[int]) -> SampledTokens:
+    """Tokens sampled at a chunk's last ``num_sample`` positions, cut after the first one that
+    disagrees with the token already at the next position (greedy verification of drafts)."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    first = chunk.end - chunk.num_sample
+    for j, (token, lp) in enumerate(drawn):
+        tokens.append(token)
+        if lp is not None:
+            logprobs.append(lp)
+        nxt = first + j + 1
+        if nxt < chunk.end and (nxt >= len(known) or known[nxt] != token):
+            break
+    return SampledTokens(tokens, logprobs if logprobs else None)

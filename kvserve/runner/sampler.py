@@ -1,26 +1,28 @@
 """Turn the logits of the sampling positions into token ids.
 
 Greedy rows take the argmax. Other rows apply temperature, then top-k, then top-p, then draw
-from the softmax with the request's own ``torch.Generator``: a request seeded with ``seed``
-draws the same tokens whatever else shares its batch, and a request preempted and recomputed
-continues its generator where it stopped, because it samples exactly once per generated token.
+from the softmax with a generator seeded by ``(request seed, output index)``: a draw is a pure
+function of the request and the position, so a request draws the same tokens whatever else
+shares its batch, after a preemption, in another process or on another replica.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvserve.request import Request
+from kvserve.contract import TokenLogprobs
+from kvserve.runner.inputs import SampleRow
 from kvserve.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
 
-@dataclass(frozen=True)
-class SampleResult:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
+
+def draw_seed(seed: int, output_index: int) -> int:
+    """splitmix64 of ``(seed, output_index)``: independent, well-mixed seeds per position."""
+    z = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: torch's manual_seed takes it as a non-negative int64
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -38,51 +40,38 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 class Sampler:
-    """Holds one generator per live request id; ``release`` drops it when the request ends."""
+    """Stateless: everything a draw depends on comes in the row."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self._seed_source = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _generator(self, req: Request) -> torch.Generator:
-        g = self._generators.get(req.request_id)
-        if g is None:
-            seed = req.sampling_params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            else:
-                seed = seed + 1_000_003 * req.sample_index  # distinct samples for n > 1
-            g = torch.Generator().manual_seed(seed)
-            self._generators[req.request_id] = g
-        return g
-
-    def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        """logits: ``[S, V]`` float32, one row per request in ``requests``."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
+        """logits: ``[S, V]``, one row per entry of ``rows``. A row whose sampling raises yields
+        the exception instead of a token (that request fails; the others are unaffected)."""
         logits = logits.float().cpu()
         greedy_ids = torch.argmax(logits, dim=-1).tolist()
-        results: list[SampleResult] = []
-        for row, req, greedy_id in zip(logits, requests, greedy_ids):
-            params = req.sampling_params
-            if params.greedy:
-                token = greedy_id
-                scores = row
-            else:
-                scores = apply_top_k_top_p(row / params.temperature, params.top_k, params.top_p)
-                probs = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(req)))
-            results.append(self._with_logprobs(token, scores, params))
-        return results
+        out: list[tuple[int, TokenLogprobs | None] | Exception] = []
+        for scores, row, greedy_id in zip(logits, rows, greedy_ids):
+            try:
+                out.append(self._one(scores, row, greedy_id))
+            except Exception as e:  # noqa: BLE001 - attributed to this row's request
+                out.append(e)
+        return out
 
-    @staticmethod
-    def _with_logprobs(token: int, scores: torch.Tensor, params: SamplingParams) -> SampleResult:
-        if params.logprobs is None:
-            return SampleResult(token)
-        logprobs = torch.log_softmax(scores, dim=-1)
-        top: dict[int, float] = {}
-        if params.logprobs > 0:
-            vals, idx = torch.topk(logprobs, params.logprobs)
-            top = dict(zip(idx.tolist(), vals.tolist()))
-        return SampleResult(token, float(logprobs[token]), top)
+    def _one(self, row_logits: torch.Tensor, row: SampleRow, greedy_id: int) -> tuple[int, TokenLogprobs | None]:
+        params = row.state.sampling
+        if params.greedy:
+            return greedy_id, _logprobs(greedy_id, row_logits, params)
+        scores = apply_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
+        probs = torch.softmax(scores, dim=-1)
+        g = torch.Generator().manual_seed(draw_seed(row.state.seed, row.output_index))
+        token = int(torch.multinomial(probs, 1, generator=g))
+        return token, _logprobs(token, scores, params)
+
+
+def _logprobs(token: int, scores: torch.Tensor, params: SamplingParams) -> TokenLogprobs | None:
+    if params.logprobs is None:
+        return None
+    logprobs = torch.log_softmax(scores, dim=-1)
+    top: dict[int, float] = {}
+    if params.logprobs > 0:
+        vals, idx = torch.topk(logprobs, params.logprobs)
+        top = dict(zip(idx.tolist(), vals.tolist()))
+    return TokenLogprobs(float(logprobs[token]), top)

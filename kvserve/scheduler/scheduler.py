@@ -9,6 +9,11 @@ When the pool cannot hold a running request's next tokens, the most recently adm
 preempted: its blocks are freed, ``num_computed_tokens`` returns to 0, and it goes back to the
 front of the queue to be recomputed (its tokens so far are kept). Admission rejects requests that
 could never fit, so the oldest request can always proceed: no deadlock.
+
+What crosses to the runner is plain data (:mod:`kvserve.contract`): the scheduler remembers how
+many of each request's tokens the runner has been told (``_told``), sends the rest in the next
+chunk, and lists the requests the runner should forget (finished or preempted). It uses only the
+KV manager's seam (``kvserve.kv.manager``), never the pool behind it.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from collections import deque
 from collections.abc import Callable
 
 from kvserve.config import SchedulerConfig
+from kvserve.contract import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from kvserve.kv.manager import ComputedBlocks, KVCacheManager
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:
@@ -34,6 +39,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._told: dict[str, int] = {}   # request id -> tokens the runner knows
+        self._forget: list[str] = []      # finished since the last step: the runner drops them
+        self._step_id = 0
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -51,17 +59,28 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
-        capacity = self.kv.pool.num_blocks * self.kv.block_size
-        if self.kv.blocks_needed(total) > self.kv.pool.num_blocks:
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens can never fit the KV pool of {capacity} tokens "
-                f"({self.kv.pool.num_blocks} blocks); raise kv_cache_memory or lower max_tokens"
+                f"({self.kv.num_blocks} blocks); raise kv_cache_memory or lower max_tokens"
+            )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and total > budget:
+            # unchunked, a request (re)computes whole in one step: after a preemption that is
+            # prompt + generated tokens, so anything over the budget would wait forever
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_num_batched_tokens ({budget}) with chunked prefill off; enable chunked prefill, "
+                f"raise max_num_batched_tokens to at least {total}, or shorten the prompt / lower max_tokens"
             )
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.kv.expire_sessions()
-        out = SchedulerOutput()
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id, finished=self._forget)
+        self._forget = []
         budget = self.config.max_num_batched_tokens
         preempted_now = False
         i = 0
@@ -78,7 +97,7 @@ class Scheduler:
         for req in self.running:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
-        out.block_copies = self.kv.take_pending_copies()
+        out.block_ops = self.kv.take_block_ops()
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
@@ -89,7 +108,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is req:
                 return False
-        out.chunks.append(ScheduledChunk.of(req, n, self.kv.block_table(req.request_id)))
+        out.chunks.append(self._chunk(req, n, out))
         return True
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
@@ -111,37 +130,66 @@ class Scheduler:
             req.num_cached_tokens = max(req.num_cached_tokens, computed.num_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk.of(req, n, self.kv.block_table(req.request_id)))
+            out.chunks.append(self._chunk(req, n, out))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _chunk(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledChunk:
+        """The plain record of ``n`` tokens of ``req`` from ``num_computed_tokens``; a request the
+        runner does not know yet is introduced with all its tokens and its sampling settings."""
+        told = self._told.get(req.request_id)
+        if told is None:
+            out.new_requests.append(NewRequest(req.request_id, req.num_prompt_tokens, req.sampling_params,
+                                               req.seed, req.kv_cache_dtype, req.eos_token_ids))
+            told = 0
+        new = req.token_ids_from(told)
+        self._told[req.request_id] = told + len(new)
+        start = req.num_computed_tokens
+        return ScheduledChunk(req.request_id, start, n, new, list(self.kv.block_table(req.request_id)),
+                              1 if start + n == req.num_tokens else 0)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if self._told.pop(req.request_id, None) is not None:
+            out.preempted.append(req.request_id)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req.request_id)
 
     # -- after the model ran -----------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stop rules.
-        Returns the requests that received a token this step (finished ones included)."""
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append the sampled tokens (several when drafts were accepted),
+        stopping at the first stop condition, and fail the requests the runner could not serve.
+        Returns the requests that received a token or failed this step (finished ones included)."""
         changed: list[Request] = []
         now = self.clock()
         for chunk in out.chunks:
-            req = chunk.request
-            req.num_computed_tokens += chunk.num_new_tokens
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status.finished:  # aborted while the step ran
+                continue
+            error = result.failed.get(chunk.request_id)
+            if error is not None:
+                req.status, req.error = RequestStatus.FINISHED_ERROR, error
+                changed.append(req)
+                continue
+            sampled = result.sampled.get(chunk.request_id)
+            tokens = sampled.token_ids if sampled is not None and chunk.sample else []
+            # KV is valid up to the last accepted position: a verify chunk (num_sample = k + 1)
+            # whose j drafts were accepted returns j + 1 tokens; rejected drafts' slots are rewritten.
+            req.num_computed_tokens = chunk.end - chunk.num_sample + min(len(tokens), chunk.num_sample)
             self.kv.cache_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if not tokens:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.append_token(token)
-            self._check_stop(req, token)
+            for token in tokens:
+                req.append_token(token)
+                self._check_stop(req, token)
+                if req.status.finished:
+                    break
             changed.append(req)
         for req in changed:
             if req.status.finished:
@@ -176,6 +224,8 @@ class Scheduler:
         self.kv.free(req)
         req.finished_time = now
         self.requests.pop(req.request_id, None)
+        if self._told.pop(req.request_id, None) is not None:
+            self._forget.append(req.request_id)
 
     # -- state -------------------------------------------------------------------------------
     @property

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.hashing import hash_block
+from kvserve.kv.hashing import hash_block, root_key
+
+ROOT = root_key("test-model", "bfloat16", 4)
 
 
 def test_allocate_hands_out_lowest_ids_first_and_free_returns_them():
@@ -26,7 +28,7 @@ def test_allocate_hands_out_lowest_ids_first_and_free_returns_them():
 def test_cached_free_block_is_findable_until_reused():
     pool = BlockPool(2)
     [b] = pool.allocate(1)
-    h = hash_block(None, [1, 2, 3, 4])
+    h = hash_block(ROOT, [1, 2, 3, 4])
     pool.cache(b, h)
     pool.free([b])
     pool.check()
@@ -42,7 +44,7 @@ def test_cached_free_block_is_findable_until_reused():
 def test_touch_revives_a_cached_free_block():
     pool = BlockPool(3)
     [b] = pool.allocate(1)
-    pool.cache(b, hash_block(None, [7]))
+    pool.cache(b, hash_block(ROOT, [7]))
     pool.free([b])
     pool.touch([b])
     pool.check()
@@ -92,11 +94,11 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(min_value=0))
     def cache(self, i: int) -> None:
         self.next_token += 1
-        self.pool.cache(self.held[i % len(self.held)], hash_block(None, [self.next_token]))
+        self.pool.cache(self.held[i % len(self.held)], hash_block(ROOT, [self.next_token]))
 
     @rule(h=st.integers(min_value=1, max_value=50))
     def lookup_points_at_a_block_with_that_hash(self, h: int) -> None:
-        digest = hash_block(None, [h])
+        digest = hash_block(ROOT, [h])
         b = self.pool.lookup(digest)
         if b is not None:
             assert self.pool.block_hash(b) == digest
@@ -112,3 +114,20 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_reset_cache_forgets_cached_free_blocks_but_not_used_ones():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    ha, hb, hc = (hash_block(ROOT, [t]) for t in (1, 2, 3))
+    for block, h in ((a, ha), (b, hb), (c, hc)):
+        pool.cache(block, h)
+    pool.free([b, a])  # a and b cached-free; c still used
+    assert pool.num_cached_free == 2
+    assert pool.reset_cache() == 2
+    pool.check()
+    assert pool.lookup(ha) is None and pool.lookup(hb) is None
+    assert pool.block_hash(a) is None and pool.block_hash(b) is None
+    assert pool.lookup(hc) == c  # a used block keeps its hash: its holder may still share it
+    assert pool.usage().cached_free == 0 and pool.usage().free_uncached == 3
+    assert pool.reset_cache() == 0  # nothing left to forget

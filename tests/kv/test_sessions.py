@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager
+from kvserve.contract import CopyBlock
+from kvserve.kv.manager import BlockSource, KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -53,7 +54,7 @@ def test_next_turn_reuses_the_whole_history_including_the_partial_block():
     kv.begin_turn("s")
     nxt = Request("t2", first.all_token_ids + [10, 11], SamplingParams(), session_id="s")
     hit = kv.get_computed_blocks(nxt)
-    assert hit.source == "session" and hit.blocks == tuple(pinned) and hit.num_tokens == 8
+    assert hit.source == BlockSource.SESSION and hit.blocks == tuple(pinned) and hit.num_tokens == 8
     assert kv.allocate_slots(nxt, nxt.num_tokens - 8, hit)
     kv.check()
     assert kv.block_table("t2")[:2] == pinned and not session.blocks
@@ -74,7 +75,7 @@ def test_idle_timeout_releases_blocks_to_the_prefix_cache():
     kv.begin_turn("s")
     nxt = Request("t2", first.all_token_ids + [60], SamplingParams(), session_id="s")
     hit = kv.get_computed_blocks(nxt)
-    assert hit.source == "prefix" and hit.num_tokens == 8
+    assert hit.source == BlockSource.PREFIX and hit.num_tokens == 8
 
 
 def test_close_session_frees_everything():
@@ -164,7 +165,7 @@ def test_copy_on_write_keeps_the_other_sharers_tokens():
     copies = 0
     while sched.has_unfinished:
         plan = sched.schedule()
-        copies += len(plan.block_copies)
+        copies += sum(1 for op in plan.block_ops if isinstance(op, CopyBlock))
         kv.check()
         sched.update(plan, runner.execute(plan))
         kv.check()

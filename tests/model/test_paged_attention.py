@@ -82,14 +82,26 @@ def test_per_sequence_fallback_matches(monkeypatch: pytest.MonkeyPatch, window: 
     run_case(CASES["decodes-unequal"], window)
 
 
-def test_plan_is_built_once_per_step() -> None:
-    """Layers share the step's plan: the first call builds it, later calls reuse it."""
+def test_plan_is_built_once_per_step_by_the_backend_and_layers_use_it() -> None:
+    """The runner builds the step's plan once (the backend's ``plan``); every layer follows it:
+    a plan that sends every sequence down the per-sequence loop is obeyed (same output), and a
+    plan naming no sequence leaves the output unwritten, so the layer cannot have re-planned."""
+    from kvserve.model.attention import StepPlan, plan_step
+    from kvserve.model.attention_backends import get_backend
+
     cache = torch.zeros(2, NUM_BLOCKS, BS, KV_HEADS, D)
     tables = [torch.tensor([0, 1]), torch.tensor([2, 3])]
     meta = AttentionMetadata(torch.tensor([5, 9]), [0, 1, 2], [6, 2], tables, BS)
+    backend = get_backend("torch_sdpa")
+    plan = backend.plan(meta, tuple(cache.shape), torch.device("cpu"))
+    again = plan_step(meta, tuple(cache.shape), torch.device("cpu"))
+    assert plan.batch is not None and again.batch is not None and plan.loop == again.loop == []
+    assert torch.equal(plan.batch.tables, again.batch.tables)
     q, kv = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D)
-    paged_attention(q, kv, kv, cache, meta, 1.0)
-    plan = meta._plan
-    assert plan is not None and plan.batch is not None and plan.loop == []
-    paged_attention(q, kv, kv, cache, meta, 1.0)
-    assert meta._plan is plan
+    batched = backend.forward(q, kv, kv, cache, AttentionMetadata(**{**meta.__dict__, "plan": plan}), 1.0)
+    looped = backend.forward(q, kv, kv, cache, AttentionMetadata(**{**meta.__dict__, "plan": StepPlan(None, [0, 1])}), 1.0)
+    torch.testing.assert_close(batched, looped)
+    marker = AttentionMetadata(**{**meta.__dict__, "plan": StepPlan(None, [1])})
+    out = backend.forward(q, kv, kv, cache, marker, 1.0)
+    torch.testing.assert_close(out[1], looped[1])
+    assert not torch.allclose(out[0], looped[0])  # row 0 was never attended: the given plan was used

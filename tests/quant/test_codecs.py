@@ -30,8 +30,8 @@ def kv_like(m: int = 4, bs: int = 16, kvh: int = 2, d: int = 32, seed: int = 0) 
 
 def test_names_aliases_and_mixed_specs() -> None:
     assert parse_kv_codecs("int8") == KVCodecSpec("int8", "int8")
-    assert parse_kv_codecs("bfloat16") == KVCodecSpec("bf16", "bf16")
-    assert parse_kv_codecs("auto", "float32") == KVCodecSpec("fp32", "fp32")
+    assert parse_kv_codecs("bfloat16") == KVCodecSpec("bfloat16", "bfloat16")
+    assert parse_kv_codecs("auto", "float32") == KVCodecSpec("float32", "float32")
     assert parse_kv_codecs("E4M3") == KVCodecSpec("fp8", "fp8")
     spec = parse_kv_codecs("k:int8, v:int4")
     assert (spec.k, spec.v, spec.name) == ("int8", "int4", "k:int8,v:int4")

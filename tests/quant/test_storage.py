@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvserve.contract import CopyBlock
 from kvserve.kv import layout
 from kvserve.kv.quant import Int4ChannelCodec, make_codec, parse_kv_codecs
 from kvserve.kv.storage import KVStorage
@@ -55,10 +56,11 @@ class Driver:
 
     def step(self, work: list[tuple[Seq, int]]) -> None:
         chunks, ks, vs = [], [[] for _ in range(self.s.num_layers)], [[] for _ in range(self.s.num_layers)]
+        codecs: list[str | None] = []
         for seq, n in work:
             start = seq.length
-            chunks.append(SimpleNamespace(request=SimpleNamespace(kv_cache_dtype=seq.codec), start=start,
-                                          end=start + n, block_table=seq.table))
+            chunks.append(SimpleNamespace(start=start, end=start + n, block_ids=seq.table))
+            codecs.append(seq.codec)
             for layer in range(self.s.num_layers):
                 k = torch.randn(n, KVH, D, generator=self.g) * 2
                 k[..., 1] += 6  # an outlier channel, as in real keys
@@ -71,18 +73,13 @@ class Driver:
                 else:
                     seq.keys[layer] = torch.cat((seq.keys[layer], k))
                     seq.values[layer] = torch.cat((seq.values[layer], v))
-        self.s.begin_step(chunks)
+        self.s.begin_step(chunks, codecs)
         layers = self.s.layers()
         for layer in range(self.s.num_layers):
             lk = layers[layer]
             k, v = torch.cat(ks[layer]), torch.cat(vs[layer])
-            if isinstance(lk, torch.Tensor):  # plain float pool: attention writes it directly
-                from kvserve.model.attention import write_kv
-                slots = torch.tensor([c.block_table[p // BS] * BS + p % BS for c in chunks
-                                      for p in range(c.start, c.end)])
-                write_kv(lk, k, v, slots)
-            else:
-                lk.write(k, v)
+            slots = torch.tensor([c.block_ids[p // BS] * BS + p % BS for c in chunks for p in range(c.start, c.end)])
+            lk.write(k, v, slots)  # a plain layer writes by slot; a codec layer follows the step's plan
         self.reads = {id(seq): [self.read(seq, layer) for layer in range(self.s.num_layers)] for seq, _ in work}
         self.s.end_step()
         self.s.check()
@@ -197,7 +194,11 @@ def test_mixed_codecs_in_one_batch_read_as_their_own_codec() -> None:
 
 def test_plain_float_pool_keeps_the_classic_tensor_path() -> None:
     s = make_storage("bf16", dtype=torch.bfloat16)
-    assert all(isinstance(t, torch.Tensor) and t.shape == (2, NB, BS, KVH, D) for t in s.layers())
+    from kvserve.kv.layer_kv import PlainLayerKV
+
+    layers = s.layers()
+    assert all(isinstance(t, PlainLayerKV) and t.shape == (2, NB, BS, KVH, D) for t in layers)
+    assert [t.tensor for t in layers] == s.plain  # the storage's own tensors, no copy
     assert s.window_blocks == 0 and s.nbytes == s.num_layers * 2 * NB * BS * KVH * D * 2
 
 
@@ -218,8 +219,7 @@ def test_copy_on_write_copies_bytes_state_and_shadow() -> None:
     a = d.new_seq(12)
     d.step([(a, 6)])
     src, dst = a.table[1], d.free.pop()
-    s.begin_step([], [(src, dst)])
-    s.end_step()
+    s.run_block_ops([CopyBlock(src, dst)])
     s.check()
     assert src in s.shadow_of and dst in s.shadow_of and s.fill[dst] == s.fill[src] == 2
     for layer in range(s.num_layers):
@@ -261,7 +261,7 @@ def test_int4_group_smaller_than_the_block() -> None:
     s = KVStorage(num_layers=1, num_blocks=8, block_size=8, kv_heads=1, head_dim=4, dtype=torch.float32,
                   pool=parse_kv_codecs("int4"), group_size=4, window_blocks=3)
     assert isinstance(s.pool.k, Int4ChannelCodec) and s.pool.k.group_size == 4
-    chunk = SimpleNamespace(request=SimpleNamespace(kv_cache_dtype=None), start=0, end=8, block_table=(2,))
+    chunk = SimpleNamespace(start=0, end=8, block_ids=(2,))
     x = torch.randn(8, 1, 4)
     s.begin_step([chunk])
     s.layers()[0].write(x, x)

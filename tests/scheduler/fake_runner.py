@@ -1,15 +1,16 @@
 """A torch-free stand-in for the model runner that still exercises block tables for real.
 
-It keeps a fake KV store (slot -> token id). Each chunk writes its tokens at the slots its block
-table gives; a sampling chunk then reads the whole context back *through the block table* and
-derives the next token from what it read. Wrong block tables, a shared block overwritten, or a
-stale prefix hit change the tokens, so comparing against a run alone catches them.
+It speaks the plain-data contract (:mod:`kvserve.contract`): it keeps its own copy of each
+request's tokens, built only from the chunks' ``new_token_ids``, and a fake KV store (slot ->
+token id). Each chunk writes its tokens at the slots its block ids give; a sampling chunk then
+reads the whole context back *through the block ids* and derives the next token from what it
+read. Wrong block tables, a shared block overwritten, a stale prefix hit or a wrong ``new_token_ids``
+change the tokens, so comparing against a run alone catches them.
 """
 
 from __future__ import annotations
 
-from kvserve.runner.inputs import slots_for
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.contract import CopyBlock, RunnerOutput, SampledTokens, SchedulerOutput
 
 
 def next_token(context: list[int]) -> int:
@@ -19,26 +20,41 @@ def next_token(context: list[int]) -> int:
     return 10 + h % 50
 
 
+def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class FakeRunner:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.store: dict[int, int] = {}
+        self.tokens: dict[str, list[int]] = {}  # what the runner has been told, per request
         self.steps = 0
         self.batched_tokens: list[int] = []
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
         self.batched_tokens.append(plan.num_batched_tokens)
-        out: dict[str, int] = {}
-        for src, dst in plan.block_copies:
-            for off in range(self.block_size):
-                if src * self.block_size + off in self.store:
-                    self.store[dst * self.block_size + off] = self.store[src * self.block_size + off]
+        for rid in [*plan.finished, *plan.preempted]:
+            self.tokens.pop(rid, None)
+        for new in plan.new_requests:
+            assert new.request_id not in self.tokens, f"{new.request_id} introduced twice"
+            self.tokens[new.request_id] = []
+        bs = self.block_size
+        for op in plan.block_ops:
+            assert isinstance(op, CopyBlock), f"no tier configured in the fake runner: {op}"
+            for off in range(bs):
+                if op.src * bs + off in self.store:
+                    self.store[op.dst * bs + off] = self.store[op.src * bs + off]
         for c in plan.chunks:
-            for slot, tok in zip(slots_for(c.block_table, c.start, c.end, self.block_size), c.token_ids):
+            known = self.tokens[c.request_id]
+            known.extend(c.new_token_ids)
+            assert len(known) >= c.end, f"{c.request_id}: told {len(known)} tokens, asked to compute to {c.end}"
+            for slot, tok in zip(slots_for(c.block_ids, c.start, c.end, bs), known[c.start:c.end]):
                 self.store[slot] = tok
+        out = RunnerOutput(step_id=plan.step_id)
         for c in plan.chunks:
             if c.sample:
-                context = [self.store[s] for s in slots_for(c.block_table, 0, c.end, self.block_size)]
-                out[c.request.request_id] = next_token(context)
+                context = [self.store[s] for s in slots_for(c.block_ids, 0, c.end, bs)]
+                out.sampled[c.request_id] = SampledTokens([next_token(context)])
         return out
