@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.inputs import ModelInputs, build_inputs
 from kvserve.runner.sampler import Sampler
-from kvserve.runner.state import RunnerState
+from kvserve.runner.state import RequestState, RunnerState
 
 log = logging.getLogger("kvserve")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,7 +43,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, capacity: KVCapacity,
                  kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None,
-                 attention_backend: str = DEFAULT_BACKEND) -> None:
+                 attention_backend: str = DEFAULT_BACKEND, tokenizer_path: str | None = None) -> None:
         self.model = model
         self.config = model_config
         self.capacity = capacity
@@ -50,6 +51,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.state = RunnerState()
         self.attention = get_backend(attention_backend)
+        self._tokenizer_path = tokenizer_path  # loaded on the first response_format request
+        self._tokenizer: Any = None
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -84,7 +87,28 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> None:
         self.state.apply(out)
+        for new in out.new_requests:
+            if new.sampling.response_format is not None:
+                self._attach_matcher(self.state.requests[new.request_id])
         self.storage.run_block_ops(out.block_ops)
+
+    def _attach_matcher(self, state: RequestState) -> None:
+        """A grammar matcher for the request's ``response_format``, advanced over the tokens it
+        already generated (a request readmitted after preemption)."""
+        from kvserve.runner.structured import from_tokenizer
+
+        if self._tokenizer is None:
+            from kvserve.model.loader import load_tokenizer
+
+            if self._tokenizer_path is None:
+                raise ValueError("response_format needs the runner to know the tokenizer")
+            self._tokenizer = load_tokenizer(self._tokenizer_path)
+        matcher = from_tokenizer(self._tokenizer, state.sampling.response_format, vocab_size=self.config.vocab_size,
+                                 stop_token_ids=state.eos_token_ids)
+        if matcher is not None:
+            for token in state.token_ids[state.num_prompt_tokens:]:
+                matcher.accept(token)
+            state.extra["matcher"] = matcher
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -54,7 +54,8 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
     if device.type == "cpu":
         set_cpu_threads(spec.num_threads)
     model, model_config = load_model(spec.model, dtype=spec.dtype, device=device)
-    return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache)
+    return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
+                       tokenizer_path=spec.model)
 
 
 def _child_main(conn: Connection, spec: RunnerSpec) -> None:

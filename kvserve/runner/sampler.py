@@ -1,6 +1,9 @@
 """Turn the logits of the sampling positions into token ids.
 
-Greedy rows take the argmax. Other rows apply temperature, then top-k, then top-p, then draw
+A row first goes through the request's logits processors (penalties, logit bias, masks, min_tokens:
+:mod:`kvserve.runner.logits_processors`) and its grammar (``response_format``:
+:mod:`kvserve.runner.structured`), when it has any. Greedy rows then take the argmax. Other rows
+apply temperature, then min-p, then top-k, then top-p, then draw
 from the softmax with a generator seeded by ``(request seed, output index)``: a draw is a pure
 function of the request and the position, so a request draws the same tokens whatever else
 shares its batch, after a preemption, in another process or on another replica.
@@ -12,6 +15,7 @@ import torch
 
 from kvserve.contract import TokenLogprobs
 from kvserve.runner.inputs import SampleRow
+from kvserve.runner.logits_processors import apply_logits_processors, apply_min_p, needs_processing
 from kvserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -56,13 +60,26 @@ class Sampler:
         return out
 
     def _one(self, row_logits: torch.Tensor, row: SampleRow, greedy_id: int) -> tuple[int, TokenLogprobs | None]:
-        params = row.state.sampling
+        state = row.state
+        params = state.sampling
+        matcher = state.extra.get("matcher")
+        if needs_processing(params) or matcher is not None:
+            p = state.num_prompt_tokens
+            row_logits = apply_logits_processors(row_logits, params, state.token_ids[:p],
+                                                 state.token_ids[p:p + row.output_index], state.eos_token_ids)
+            if matcher is not None:
+                row_logits = matcher.apply(row_logits)  # type: ignore[attr-defined]
+            greedy_id = int(torch.argmax(row_logits))
         if params.greedy:
-            return greedy_id, _logprobs(greedy_id, row_logits, params)
-        scores = apply_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
-        probs = torch.softmax(scores, dim=-1)
-        g = torch.Generator().manual_seed(draw_seed(row.state.seed, row.output_index))
-        token = int(torch.multinomial(probs, 1, generator=g))
+            token, scores = greedy_id, row_logits
+        else:
+            scores = apply_min_p(row_logits / params.temperature, params.min_p)
+            scores = apply_top_k_top_p(scores, params.top_k, params.top_p)
+            probs = torch.softmax(scores, dim=-1)
+            g = torch.Generator().manual_seed(draw_seed(state.seed, row.output_index))
+            token = int(torch.multinomial(probs, 1, generator=g))
+        if matcher is not None:
+            matcher.accept(token)  # type: ignore[attr-defined]
         return token, _logprobs(token, scores, params)
 
 
