@@ -243,12 +243,17 @@ class CacheConfig:
     session_overflow: str = "error"  # or "drop_oldest": drop the oldest turns to fit
     session_retention_s: float | None = None  # history forgotten after this idle time (None: idle timeout + 30 min)
     max_sessions_per_tenant: int | None = None  # a new session past it forgets the tenant's LRU idle one
+    # KV tiers below the pool (kvserve/kv/tiers; docs/tiers.md): each optional and sized
+    kv_host_memory: int | None = None   # bytes of host RAM for block objects
+    kv_disk_dir: str | None = None      # a directory for block objects and session records
+    kv_disk_size: int = 50 * 2**30      # bytes the disk tier may hold
+    kv_remote: str | None = None        # redis://HOST:PORT/DB
     # Lossy KV codecs (kvserve.kv.quant, docs/kv-quant.md): a sequence shorter than
     # kv_quant_min_tokens reads full-precision KV; int4 keys are grouped by kv_quant_group_size
     # tokens (None: min(32, block_size)); int4 keeps a sequence's first kv_quant_sink_tokens exact.
     kv_quant_min_tokens: int = 0
     kv_quant_group_size: int | None = None
-    kv_quant_sink_tokens: int = 4
+    kv_quant_sink_tokens: int = 4  # DEFAULT_SINK_TOKENS
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -259,11 +264,20 @@ class CacheConfig:
                 self.kv_quant_group_size <= 0 or self.block_size % self.kv_quant_group_size):
             raise ValueError(f"kv_quant_group_size must divide block_size ({self.block_size}), "
                              f"got {self.kv_quant_group_size}")
+        if self.kv_quant_sink_tokens == DEFAULT_SINK_TOKENS and self.block_size < DEFAULT_SINK_TOKENS:
+            # the default (an int4-only setting) follows a block smaller than it; an explicit value is checked
+            object.__setattr__(self, "kv_quant_sink_tokens", self.block_size)
         if not 0 <= self.kv_quant_sink_tokens <= self.block_size:
             raise ValueError(f"kv_quant_sink_tokens must be in [0, block_size={self.block_size}], "
                              f"got {self.kv_quant_sink_tokens}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_host_memory is not None and self.kv_host_memory <= 0:
+            raise ValueError(f"kv_host_memory must be > 0 bytes, got {self.kv_host_memory}")
+        if self.kv_disk_size <= 0:
+            raise ValueError(f"kv_disk_size must be > 0 bytes, got {self.kv_disk_size}")
+        if self.kv_remote is not None and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a redis:// URL, got {self.kv_remote!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.num_blocks_override is not None and self.num_blocks_override <= 0:
@@ -279,6 +293,12 @@ class CacheConfig:
             raise ValueError(f"max_sessions_per_tenant must be > 0, got {self.max_sessions_per_tenant}")
         if self.session_overflow not in SESSION_OVERFLOW:
             raise ValueError(f"session_overflow must be 'error' or 'drop_oldest', got {self.session_overflow!r}")
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The KV tiers configured below the pool, fastest first."""
+        return tuple(t for t, on in (("host", self.kv_host_memory is not None), ("disk", self.kv_disk_dir is not None),
+                                     ("remote", self.kv_remote is not None)) if on)
 
 
 @dataclass(frozen=True)
@@ -304,6 +324,7 @@ class SchedulerConfig:
 
 
 RUNNER_KINDS = ("inline", "process")
+DEFAULT_SINK_TOKENS = 4
 SESSION_OVERFLOW = ("error", "drop_oldest")
 
 

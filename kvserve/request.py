@@ -22,6 +22,7 @@ from kvserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prefix's KV is being brought back from a tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -78,6 +79,10 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # why the request failed (status FINISHED_ERROR)
+    # the KV ledger: prompt tokens found per place ("pool", "host", "disk", "remote"), load time
+    kv_hit_tokens: dict[str, int] = field(default_factory=dict)
+    kv_load_seconds: float = 0.0
+    tiers_checked: bool = False  # a request consults the tiers once (what fails to load is recomputed)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -159,3 +164,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when a sample failed (its finish_reason is "error")
+    kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused, per tier ("pool", "disk" …)
+    kv_load_seconds: float = 0.0  # time spent loading KV from the tiers

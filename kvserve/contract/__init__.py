@@ -19,15 +19,32 @@ from kvserve.contract.block_ops import (
     SendBlocks,
 )
 from kvserve.contract.records import (
+    LoadResult,
     NewRequest,
     RunnerOutput,
     SampledTokens,
     ScheduledChunk,
     SchedulerOutput,
+    TierEvent,
     TokenLogprobs,
 )
 
 __all__ = [
-    "BlockNotSealed", "BlockOp", "BlockPayload", "CopyBlock", "NoTierConfigured", "LoadBlock", "NewRequest", "ReceiveBlocks", "RunnerOutput", "SampledTokens",
-    "SaveBlock", "ScheduledChunk", "SchedulerOutput", "SendBlocks", "TokenLogprobs",
+    "BlockNotSealed",
+    "BlockOp",
+    "BlockPayload",
+    "CopyBlock",
+    "LoadBlock",
+    "LoadResult",
+    "NewRequest",
+    "NoTierConfigured",
+    "ReceiveBlocks",
+    "RunnerOutput",
+    "SampledTokens",
+    "SaveBlock",
+    "ScheduledChunk",
+    "SchedulerOutput",
+    "SendBlocks",
+    "TierEvent",
+    "TokenLogprobs",
 ]

@@ -28,6 +28,7 @@ class CopyBlock(msgspec.Struct, frozen=True, tag="copy"):
 class SaveBlock(msgspec.Struct, frozen=True, tag="save"):
     block_id: int
     key: bytes
+    parent: bytes = b""  # the previous block's hash (the request root for a first block)
 
 
 class LoadBlock(msgspec.Struct, frozen=True, tag="load"):

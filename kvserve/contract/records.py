@@ -98,11 +98,32 @@ class SampledTokens(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprobs] | None = None
 
 
+class TierEvent(msgspec.Struct, frozen=True):
+    """A KV tier stored or removed a block object (``kind``: ``"stored"`` | ``"removed"``)."""
+
+    kind: str
+    tier: str
+    key: bytes
+
+
+class LoadResult(msgspec.Struct, frozen=True):
+    """What a ``LoadBlock`` found: the tier the block came from, or None (not found, or corrupt
+    in every tier): that block is recomputed."""
+
+    key: bytes
+    block_id: int
+    tier: str | None
+    seconds: float = 0.0
+
+
 class RunnerOutput(msgspec.Struct):
     """What a step produced. ``failed`` names requests whose preparation, forward or sampling
-    raised; they produced nothing, the others ran normally."""
+    raised; they produced nothing, the others ran normally. ``tier_events`` and ``loaded`` report
+    what the block operations did to and found in the KV tiers."""
 
     step_id: int = 0
     sampled: dict[str, SampledTokens] = msgspec.field(default_factory=dict)
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     block_scores: dict[str, list[float]] | None = None
+    tier_events: list[TierEvent] = msgspec.field(default_factory=list)
+    loaded: list[LoadResult] = msgspec.field(default_factory=list)

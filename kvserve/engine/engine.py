@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.config import SESSION_OVERFLOW, EngineConfig, normalize_dtype
+from kvserve.contract import SchedulerOutput
 from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.session_store import attach_session_stores
 from kvserve.kv.sessions import Session
 from kvserve.model.loader import load_model_config, load_tokenizer
 from kvserve.request import Request, RequestOutput, RequestStatus
@@ -74,17 +76,21 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, config.scheduler.max_model_len)
         log.info(self.capacity.summary())
         self.codecs = CodecPairs.for_model(self.model_config, self.kv_dtype, config.cache, self.capacity.block_size)
+        root = root_key(model_identity(config.model), self.kv_dtype, self.capacity.block_size)
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 root_key=root_key(model_identity(config.model), self.kv_dtype,
-                                                   self.capacity.block_size),
+                                 enable_prefix_caching=config.cache.enable_prefix_caching, root_key=root,
+                                 tiers=config.cache.tiers,
                                  session_idle_timeout_s=config.cache.session_idle_timeout_s,
                                  session_retention_s=config.cache.session_retention_s,
                                  max_sessions_per_tenant=config.cache.max_sessions_per_tenant)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
-                          config.num_threads, config.seed)
+                          config.num_threads, config.seed, root)
         self.runner: Runner = ProcessRunner(spec) if config.runner == "process" else build_inline_runner(spec)
+        self.kv.tiers.index.load_snapshot(self.runner.tier_snapshot())  # e.g. the disk tier after a restart
+        restored = attach_session_stores(self.kv.sessions, config.cache)
+        if restored:
+            log.info("restored %d session(s) from the KV tiers' session records", restored)
         self._seeds = random.Random(config.seed)  # seeds of requests that give none
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -232,10 +238,12 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if plan.empty:
+        if plan.empty and not plan.block_ops:
             return self.outputs.flush()  # aborts still need their final output
         result = self.runner.execute(plan)
         changed = self.scheduler.update(plan, result)
+        if not self.scheduler.has_unfinished and self.kv.has_pending_ops:  # idle: saves go now
+            self.scheduler.update(SchedulerOutput(), self.runner.execute(SchedulerOutput(block_ops=self.kv.take_block_ops())))
         return self.outputs.process(changed, result, self._stop_by_string)
 
     def _stop_by_string(self, req: Request, stop: str) -> None:
@@ -249,14 +257,22 @@ class LLMEngine:
                            self.kv.stats.queries, self.kv.stats.hits, len(self.kv.sessions),
                            ss.expired, ss.evicted, self.kv.num_pinned_blocks())
 
-    def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:
-        """Step until every request finishes; returns the final output of each."""
+    def run_until_done(self, timeout_s: float | None = None, max_idle_steps: int = 10_000) -> list[RequestOutput]:
+        """Step until every request finishes; returns the final output of each. Raises RuntimeError
+        if ``max_idle_steps`` steps in a row schedule nothing (a request that can never be admitted:
+        admission rules should make this impossible, this makes it loud instead of a spin)."""
         done: dict[str, RequestOutput] = {}
         start = time.monotonic()
+        idle = 0
         while self.has_unfinished_requests():
-            for out in self.step():
+            outs = self.step()
+            for out in outs:
                 if out.finished:
                     done[out.request_id] = out
+            idle = 0 if outs or self.scheduler.num_running or self.scheduler.loading else idle + 1
+            if idle > max_idle_steps:
+                raise RuntimeError(f"{self.scheduler.num_waiting} request(s) waiting but none admitted in "
+                                   f"{max_idle_steps} steps")
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"requests still unfinished after {timeout_s} s")
         return list(done.values())

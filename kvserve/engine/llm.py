@@ -59,6 +59,12 @@ class LLM:
         kv_quant_group_size: int | None = None,
         kv_quant_sink_tokens: int = CacheConfig.kv_quant_sink_tokens,
         runner: str = "inline",
+        kv_host_memory: str | int | None = None,
+        kv_disk_dir: str | Path | None = None,
+        kv_disk_size: str | int = "50GiB",
+        kv_remote: str | None = None,
+        session_retention_s: float | None = None,
+        max_sessions_per_tenant: int | None = None,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -73,6 +79,12 @@ class LLM:
             kv_quant_min_tokens=kv_quant_min_tokens,
             kv_quant_group_size=kv_quant_group_size,
             kv_quant_sink_tokens=kv_quant_sink_tokens,
+            kv_host_memory=None if kv_host_memory is None else parse_size(kv_host_memory),
+            kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
+            kv_disk_size=parse_size(kv_disk_size),
+            kv_remote=kv_remote,
+            session_retention_s=session_retention_s,
+            max_sessions_per_tenant=max_sessions_per_tenant,
         )
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)

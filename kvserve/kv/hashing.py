@@ -34,13 +34,23 @@ def _digest(*parts: bytes) -> bytes:
 
 
 def model_identity(model_dir: str | Path) -> str:
-    """Hex digest of a checkpoint's ``config.json`` bytes and its weight files' names and sizes
-    (cheap: no weights are read). Two folders with the same config and weight files agree."""
+    """Hex digest of a checkpoint's ``config.json`` bytes and its weight files' names, sizes and
+    three 64 KiB samples of each (start, middle, end): cheap (no full read), and two checkpoints of
+    one architecture with different weights differ (random-weight test models do)."""
     root = Path(model_dir)
     config = (root / "config.json").read_bytes() if (root / "config.json").exists() else b""
-    weights = sorted((p.name, p.stat().st_size) for p in root.iterdir()
-                     if p.suffix in (".safetensors", ".bin") and p.is_file())
-    return _digest(config, json.dumps(weights).encode()).hex()
+    parts = [config]
+    for p in sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()):
+        size = p.stat().st_size
+        parts.append(json.dumps([p.name, size]).encode())
+        with open(p, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                f.seek(offset)
+                parts.append(f.read(_SAMPLE))
+    return _digest(*parts).hex()
+
+
+_SAMPLE = 64 * 1024
 
 
 def root_key(model_id: str, kv_codec: str, block_size: int) -> BlockHash:

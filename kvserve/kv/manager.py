@@ -13,7 +13,10 @@ Where computed KV comes from, in order of preference:
 3. the **prefix cache** (full blocks found by chained hash).
 
 A block about to be written while another holder shares it is **copied first** (copy-on-write):
-the copy is queued in ``pending_copies`` for the runner, so the other sharers keep their tokens.
+the copy is queued as a ``CopyBlock`` for the runner, so the other sharers keep their tokens. With
+KV tiers configured, a block that becomes findable is also queued as a ``SaveBlock`` (write-through)
+and a prefix lookup continues below the pool (:mod:`kvserve.kv.tier_seam`). Block operations leave
+in the order they were queued, which is the order the storage runs them.
 
 When the pool runs short, free blocks go first (never-cached, then cached-free in LRU order, by the
 pool), then idle resident sessions (LRU); only then does the scheduler preempt running requests.
@@ -33,6 +36,7 @@ from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
 from kvserve.kv.sessions import Session, SessionTable
+from kvserve.kv.tier_seam import Loading, TierSeam
 from kvserve.request import Request, RequestStatus
 
 
@@ -86,7 +90,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  root_key: BlockHash | None = None, session_idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, session_retention_s: float | None = None,
-                 max_sessions_per_tenant: int | None = None) -> None:
+                 max_sessions_per_tenant: int | None = None, tiers: tuple[str, ...] = ()) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -94,7 +98,8 @@ class KVCacheManager:
         self.root_key = root_key if root_key is not None else default_root_key(block_size)
         self.stats = PrefixCacheStats()
         self.sessions = SessionTable(session_idle_timeout_s, clock, session_retention_s, max_sessions_per_tenant)
-        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
+        self._ops: list[BlockOp] = []  # block operations for the next step, in order
+        self.tiers = TierSeam(self.pool, block_size, tiers)
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
@@ -179,7 +184,7 @@ class KVCacheManager:
         self._take(req, computed)
         for i in plan.cow:
             [fresh] = self.pool.allocate(1)
-            self.pending_copies.append((table[i], fresh))
+            self._ops.append(CopyBlock(table[i], fresh))
             self.pool.free([table[i]])
             table[i] = fresh
         if plan.need_new > 0:
@@ -215,9 +220,12 @@ class KVCacheManager:
     def take_block_ops(self) -> list[BlockOp]:
         """The block operations queued since the last call (copy-on-write copies today), for the
         step record; the storage runs them before the forward."""
-        ops: list[BlockOp] = [CopyBlock(src, dst) for src, dst in self.pending_copies]
-        self.pending_copies = []
+        ops, self._ops = self._ops, []
         return ops
+
+    @property
+    def has_pending_ops(self) -> bool:
+        return bool(self._ops)
 
     def cache_blocks(self, req: Request) -> None:
         """Make the request's newly completed full blocks findable (prompt and generated tokens)."""
@@ -233,7 +241,22 @@ class KVCacheManager:
         hashes = self._block_hashes(req)
         for i in range(done, full):
             self.pool.cache(table[i], hashes[i])
+            if self.tiers and self.pool.block_hash(table[i]) == hashes[i]:
+                parent = hashes[i - 1] if i else request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
+                op = self.tiers.save_op(table[i], hashes[i], parent)
+                if op is not None:
+                    self._ops.append(op)
         self._num_cached[req.request_id] = full
+
+    # -- tiers -------------------------------------------------------------------------------
+    def begin_loading(self, req: Request, computed: ComputedBlocks) -> Loading | None:
+        """Start bringing the blocks of ``req``'s prefix that only the tiers hold back into the
+        pool (after ``computed``, its pool hits); None when the tiers hold nothing more."""
+        if not self.tiers or computed.source not in (BlockSource.PREFIX, BlockSource.NONE):
+            return None
+        limit = (req.num_tokens - 1) // self.block_size
+        hits = self.tiers.hits(self._block_hashes(req), len(computed.blocks), limit)
+        return self.tiers.begin(computed.blocks, hits, self._ops) if hits else None
 
     def free(self, req: Request) -> None:
         """A request leaves the running set. A finished turn of a session parks its blocks in the

@@ -24,8 +24,11 @@ end and stops at the first session still inside its deadline.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.kv.session_store import SessionStore, record_of
 
 
 @dataclass
@@ -75,6 +78,27 @@ class SessionTable:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._per_tenant: dict[str | None, OrderedDict[str, None]] = {}
         self.stats = SessionStats()
+        self.stores: list[SessionStore] = []  # where records persist (kvserve.kv.session_store)
+
+    def restore(self, records: Iterable[dict[str, Any]]) -> int:
+        """Recreate sessions from persisted records (no KV: their next turn loads it from the
+        tiers). A session already known here wins. Returns how many were restored."""
+        n = 0
+        for r in records:
+            sid = r["session_id"]
+            if sid in self._sessions:
+                continue
+            now = self.clock()
+            session = Session(sid, r.get("tenant"), list(r["token_ids"]), list(r["turn_starts"]),
+                              cache_salt=r.get("cache_salt"), last_used=now, created=now)
+            self._sessions[sid] = session
+            self._per_tenant.setdefault(session.tenant, OrderedDict())[sid] = None
+            n += 1
+        return n
+
+    def _persist(self, session: Session) -> None:
+        for store in self.stores:
+            store.save(record_of(session))
 
     # -- reading -----------------------------------------------------------------------------
     def __contains__(self, session_id: str) -> bool:
@@ -159,6 +183,7 @@ class SessionTable:
         session.blocks, session.num_computed, session.busy = blocks, num_computed, False
         session.token_ids, session.cache_salt = token_ids, cache_salt
         self._touch(session)
+        self._persist(session)
 
     def abandon_turn(self, session: Session) -> None:
         """A turn ended without a reply to keep (aborted, failed): the history stays as it was."""
@@ -184,6 +209,8 @@ class SessionTable:
     def remove(self, session_id: str) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            for store in self.stores:
+                store.delete(session_id)
             per = self._per_tenant[session.tenant]
             per.pop(session_id, None)
             if not per:

@@ -26,8 +26,10 @@ from kvserve.contract import RunnerOutput, SampledTokens, ScheduledChunk, Schedu
 from kvserve.kv.layout import KVCapacity, int4_group_size
 from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
+from kvserve.kv.tiers.stack import TierStack
 from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.inputs import ModelInputs, build_inputs
 from kvserve.runner.sampler import Sampler
 from kvserve.runner.state import RequestState, RunnerState
@@ -43,7 +45,8 @@ def torch_dtype(name: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, capacity: KVCapacity,
                  kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None,
-                 attention_backend: str = DEFAULT_BACKEND, tokenizer_path: str | None = None) -> None:
+                 attention_backend: str = DEFAULT_BACKEND, tokenizer_path: str | None = None,
+                 tiers: TierStack | None = None) -> None:
         self.model = model
         self.config = model_config
         self.capacity = capacity
@@ -53,6 +56,7 @@ class ModelRunner:
         self.attention = get_backend(attention_backend)
         self._tokenizer_path = tokenizer_path  # loaded on the first response_format request
         self._tokenizer: Any = None
+        self.tiers = tiers
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -85,12 +89,16 @@ class ModelRunner:
             self.storage.end_step()
         return hidden, inputs
 
-    def _prepare(self, out: SchedulerOutput) -> None:
+    def _prepare(self, out: SchedulerOutput) -> RunnerOutput:
+        """Read the record into the runner's state and run its block operations; returns what
+        the operations did in the tiers (the result the step's other fields are added to)."""
         self.state.apply(out)
         for new in out.new_requests:
             if new.sampling.response_format is not None:
                 self._attach_matcher(self.state.requests[new.request_id])
-        self.storage.run_block_ops(out.block_ops)
+        result = RunnerOutput(out.step_id)
+        run_block_ops(self.storage, self.tiers, out.block_ops, result)
+        return result
 
     def _attach_matcher(self, state: RequestState) -> None:
         """A grammar matcher for the request's ``response_format``, advanced over the tokens it
@@ -113,14 +121,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the model over every scheduled chunk; sample where a chunk asks for it."""
-        self._prepare(out)
+        ops = self._prepare(out)
         if not out.chunks:
-            return RunnerOutput(out.step_id)
+            return ops
         try:
             result = self._run(out.chunks)
         except Exception as batch_error:  # noqa: BLE001 - attribute it to requests, or re-raise
             result = self._isolate(out.chunks, batch_error)
-        result.step_id = out.step_id
+        result.step_id, result.tier_events, result.loaded = out.step_id, ops.tier_events, ops.loaded
         return result
 
     def _run(self, chunks: Sequence[ScheduledChunk]) -> RunnerOutput:
@@ -175,6 +183,10 @@ class ModelRunner:
         self._prepare(out)
         hidden, _ = self._forward(out.chunks)
         return self.model.compute_logits(hidden)
+
+    def tier_snapshot(self) -> dict[str, list[bytes]]:
+        """What each local KV tier holds (the disk tier's index rebuilt at start-up)."""
+        return self.tiers.snapshot() if self.tiers else {}
 
     def shutdown(self) -> None:
         """Nothing to release in-process (the process runner stops its child here)."""

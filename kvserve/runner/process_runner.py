@@ -28,6 +28,7 @@ import torch
 from kvserve.config import CacheConfig
 from kvserve.contract import RunnerOutput, SchedulerOutput, wire
 from kvserve.kv.layout import KVCapacity
+from kvserve.kv.tiers.stack import TierStack
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,24 @@ class RunnerSpec:
     cache: CacheConfig
     num_threads: int | None = None
     seed: int = 0
+    root_key: bytes = b""  # the engine's block root (kvserve.kv.hashing): tier objects carry it
+
+
+def build_tiers(spec: RunnerSpec) -> TierStack:
+    """The configured tiers below the pool, fastest first (``CacheConfig.tiers``)."""
+    from kvserve.kv.tiers.disk import DiskTier
+    from kvserve.kv.tiers.host import HostTier
+    from kvserve.kv.tiers.remote import RemoteTier
+
+    c = spec.cache
+    tiers: list[Any] = []
+    if c.kv_host_memory is not None:
+        tiers.append(HostTier(c.kv_host_memory))
+    if c.kv_disk_dir is not None:
+        tiers.append(DiskTier(c.kv_disk_dir, c.kv_disk_size))
+    if c.kv_remote is not None:
+        tiers.append(RemoteTier(c.kv_remote))
+    return TierStack(tiers, spec.root_key)
 
 
 def build_inline_runner(spec: RunnerSpec) -> Any:
@@ -55,7 +74,7 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
         set_cpu_threads(spec.num_threads)
     model, model_config = load_model(spec.model, dtype=spec.dtype, device=device)
     return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
-                       tokenizer_path=spec.model)
+                       tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None)
 
 
 def _child_main(conn: Connection, spec: RunnerSpec) -> None:
@@ -64,7 +83,7 @@ def _child_main(conn: Connection, spec: RunnerSpec) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send_bytes(b"X" + pickle.dumps(f"runner process failed to start: {e!r}"))
         return
-    conn.send_bytes(b"R" + pickle.dumps(runner.kv_bytes))
+    conn.send_bytes(b"R" + pickle.dumps((runner.kv_bytes, runner.tier_snapshot())))
     while True:
         try:
             msg = conn.recv_bytes()
@@ -98,7 +117,11 @@ class ProcessRunner:
         self._proc.start()
         child.close()
         self.poll_s = poll_s
-        self.kv_bytes: int = pickle.loads(self._receive(b"R"))
+        self.kv_bytes, self._snapshot = pickle.loads(self._receive(b"R"))
+
+    def tier_snapshot(self) -> dict[str, list[bytes]]:
+        """What each local tier held when the child started (its index, rebuilt from disk)."""
+        return self._snapshot
 
     def _receive(self, want: bytes) -> bytes:
         while not self._conn.poll(self.poll_s):

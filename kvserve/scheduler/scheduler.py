@@ -25,6 +25,7 @@ from collections.abc import Callable
 from kvserve.config import SchedulerConfig
 from kvserve.contract import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from kvserve.kv.manager import ComputedBlocks, KVCacheManager
+from kvserve.kv.tier_seam import Loading
 from kvserve.request import Request, RequestStatus
 
 
@@ -41,6 +42,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._told: dict[str, int] = {}   # request id -> tokens the runner knows
         self._forget: list[str] = []      # finished since the last step: the runner drops them
+        self.loading: dict[str, tuple[Request, Loading]] = {}  # KV on its way back from a tier
         self._step_id = 0
 
     # -- admission ---------------------------------------------------------------------------
@@ -119,6 +121,13 @@ class Scheduler:
                 skipped.append(req)
                 continue
             computed = self.kv.get_computed_blocks(req)
+            if not req.tiers_checked:
+                req.tiers_checked = True
+                loading = self.kv.begin_loading(req, computed)
+                if loading is not None:  # admitted next step, once its KV is back in the pool
+                    req.status = RequestStatus.LOADING
+                    self.loading[req.request_id] = (req, loading)
+                    continue
             n = min(req.num_tokens - computed.num_tokens, budget)
             if not self.config.enable_chunked_prefill and n < req.num_tokens - computed.num_tokens:
                 self.waiting.appendleft(req)
@@ -127,6 +136,9 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.num_computed_tokens = computed.num_tokens
+            if req.num_cached_tokens == 0 and computed.num_tokens:  # the ledger: where the hit came from
+                below = sum(req.kv_hit_tokens.values())
+                req.kv_hit_tokens["pool"] = max(0, computed.num_tokens - below)
             req.num_cached_tokens = max(req.num_cached_tokens, computed.num_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -166,6 +178,7 @@ class Scheduler:
         Returns the requests that received a token or failed this step (finished ones included)."""
         changed: list[Request] = []
         now = self.clock()
+        self._finish_loading(result)
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status.finished:  # aborted while the step ran
@@ -196,6 +209,23 @@ class Scheduler:
                 self._finish(req, now)
         return changed
 
+    def _finish_loading(self, result: RunnerOutput) -> None:
+        """Loads this step ran: their blocks join the prefix cache; the requests go back to the
+        front of the queue, to be admitted on what is now in the pool."""
+        self.kv.tiers.apply(result.tier_events)
+        if not result.loaded:
+            return
+        found = {r.key: r for r in result.loaded}
+        for rid, (req, loading) in list(self.loading.items()):
+            if not any(h in found for h, _, _ in loading.loads):
+                continue
+            del self.loading[rid]
+            self.kv.tiers.finish(loading, found)
+            req.kv_hit_tokens.update(loading.hit_tokens)
+            req.kv_load_seconds += loading.load_seconds
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.sampling_params
         if not params.ignore_eos and token in req.eos_token_ids:
@@ -214,6 +244,9 @@ class Scheduler:
         self._finish(req, self.clock())
 
     def _finish(self, req: Request, now: float) -> None:
+        held = self.loading.pop(req.request_id, None)
+        if held is not None:
+            self.kv.tiers.release(held[1])
         if req in self.running:
             self.running.remove(req)
         else:
@@ -230,7 +263,7 @@ class Scheduler:
     # -- state -------------------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_running(self) -> int:

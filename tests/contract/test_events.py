@@ -47,7 +47,7 @@ def test_replaying_the_log_rebuilds_the_hash_map(ops: list[tuple[str, int]]) -> 
     stored = {(e.block_hash, e.block_id) for e in events if isinstance(e, BlockStored)}
     removed = {(e.block_hash, e.block_id) for e in events if isinstance(e, BlockRemoved)}
     live = set(pool.snapshot()[1].items())
-    assert live <= stored and stored <= removed | live  # stored once: removed since, or still live
+    assert live <= stored <= removed | live  # stored once: removed since, or still live
 
 
 def test_a_late_subscriber_uses_a_snapshot_plus_the_events_after_it() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 from kvserve.kv.hashing import hash_full_blocks, model_identity, request_root, root_key
 
 
-def make_model_dir(path: Path, hidden: int = 64, weight_bytes: int = 10) -> Path:
+def make_model_dir(path: Path, hidden: int = 64, weight_bytes: int = 10, fill: bytes = b"\0") -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"hidden_size": hidden}))
-    (path / "model.safetensors").write_bytes(b"\0" * weight_bytes)
+    (path / "model.safetensors").write_bytes(fill * weight_bytes)
     return path
 
 
@@ -20,6 +20,7 @@ def test_model_identity_follows_config_and_weight_files(tmp_path: Path) -> None:
     assert a == model_identity(make_model_dir(tmp_path / "a-copy"))
     assert a != model_identity(make_model_dir(tmp_path / "b", hidden=128))
     assert a != model_identity(make_model_dir(tmp_path / "c", weight_bytes=11))
+    assert a != model_identity(make_model_dir(tmp_path / "d", fill=b"\1"))  # same shapes, other weights
 
 
 def test_root_key_differs_by_model_codec_and_block_size() -> None:

@@ -39,7 +39,8 @@ def parity_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("case", sorted(PARITY_CASES))
 def test_process_runner_matches_inline_on_every_parity_case(parity_dirs: dict[str, Path], case: str) -> None:
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 20 + 7 * i))} for i in range(3)]  # past the window
-    kw = dict(dtype="float32", kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=16, num_threads=1)
+    kw = {"dtype": "float32", "kv_cache_memory": "4MiB", "block_size": 4, "max_num_batched_tokens": 16,
+          "num_threads": 1}
     inline = tokens(LLM(str(parity_dirs[case]), **kw), prompts)
     with LLM(str(parity_dirs[case]), runner="process", **kw) as llm:
         assert tokens(llm, prompts) == inline
@@ -47,7 +48,7 @@ def test_process_runner_matches_inline_on_every_parity_case(parity_dirs: dict[st
 
 def test_process_runner_with_preemption_prefix_hits_sessions_and_n(tmp_path: Path) -> None:
     model = write_tiny_llama(tmp_path / "m")
-    kw = dict(dtype="float32", num_blocks=14, block_size=4, max_num_batched_tokens=16, num_threads=1)
+    kw = {"dtype": "float32", "num_blocks": 14, "block_size": 4, "max_num_batched_tokens": 16, "num_threads": 1}
     sampled = SamplingParams(n=3, max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
 
     def workload(llm: LLM) -> tuple[object, ...]:

@@ -1,0 +1,94 @@
+"""The KV manager's side of the tiers: what to save, what a prefix lookup finds below the pool,
+and bringing found blocks back into the pool's prefix cache. Block ids and hashes only, no torch.
+
+Loading, in two steps (the request waits in the scheduler's ``loading`` set meanwhile, taking no
+token budget, and every other request keeps running)::
+
+    step N   begin: hold the request's pool hits (so they are not evicted), allocate one block per
+             tier hit, queue LoadBlock(hash, block) ops (run before step N's forward)
+    step N   finish (RunnerOutput.loaded): blocks loaded in order are made findable by their hash;
+             from the first failed one on, nothing is; every held block is released (cached-free)
+    step N+1 the request is admitted as usual: the prefix cache now covers what was loaded
+
+A request consults the tiers once; what fails to load is recomputed, never retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.contract import BlockOp, LoadBlock, LoadResult, SaveBlock, TierEvent
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.hashing import BlockHash
+from kvserve.kv.tiers.index import TierIndex
+
+
+@dataclass
+class Loading:
+    """A request's blocks in flight from the tiers: ``held`` pool blocks (hits, then the loads'
+    targets, in table order) and, per load, its hash, target block and the tier it comes from."""
+
+    held: list[int]
+    loads: list[tuple[BlockHash, int, str]]
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # filled by finish
+    load_seconds: float = 0.0
+
+
+class TierSeam:
+    def __init__(self, pool: BlockPool, block_size: int, tiers: Iterable[str] = ()) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.index = TierIndex(tiers)
+
+    def __bool__(self) -> bool:
+        return bool(self.index)
+
+    def apply(self, events: Iterable[TierEvent]) -> None:
+        self.index.apply(events)
+
+    def save_op(self, block_id: int, block_hash: BlockHash, parent: BlockHash) -> SaveBlock | None:
+        """Write-through: a block that just became findable in the pool goes to the tiers, unless
+        the fastest tier already holds it."""
+        if not self.index or self.index.best(block_hash) is not None:
+            return None
+        return SaveBlock(block_id, block_hash, parent)
+
+    def hits(self, hashes: Sequence[BlockHash], start: int, limit: int) -> list[tuple[BlockHash, str]]:
+        """Blocks ``start..limit-1`` of a prefix found in the tiers, in order, stopping at a miss."""
+        out: list[tuple[BlockHash, str]] = []
+        for h in hashes[start:limit]:
+            tier = self.index.best(h)
+            if tier is None:
+                break
+            out.append((h, tier))
+        return out
+
+    def begin(self, pool_hits: Sequence[int], tier_hits: list[tuple[BlockHash, str]], ops: list[BlockOp]) -> Loading | None:
+        """Hold the pool hits and allocate targets for as many tier hits as free blocks allow."""
+        n = min(len(tier_hits), self.pool.num_free - sum(1 for b in pool_hits if self.pool.ref_count(b) == 0))
+        if n <= 0:
+            return None
+        self.pool.touch(list(pool_hits))
+        targets = self.pool.allocate(n)
+        loads = [(h, b, tier) for (h, tier), b in zip(tier_hits[:n], targets)]
+        ops.extend(LoadBlock(h, b) for h, b, _ in loads)
+        return Loading(list(pool_hits) + targets, loads)
+
+    def finish(self, loading: Loading, results: dict[BlockHash, LoadResult]) -> None:
+        """Make the loaded prefix findable, then release every held block."""
+        ok = True
+        for h, block, _ in loading.loads:
+            r = results.get(h)
+            ok = ok and r is not None and r.tier is not None
+            if not ok:
+                break
+            assert r is not None and r.tier is not None
+            self.pool.cache(block, h)
+            loading.hit_tokens[r.tier] = loading.hit_tokens.get(r.tier, 0) + self.block_size
+            loading.load_seconds += r.seconds
+        self.release(loading)
+
+    def release(self, loading: Loading) -> None:
+        self.pool.free(list(reversed(loading.held)))
+        loading.held = []

@@ -1,0 +1,65 @@
+"""The tiers below one pool, in order (host, disk, remote), driven by ``SaveBlock``/``LoadBlock``.
+
+Runs beside the KV storage. ``save`` writes a block's object to every tier (write-through: a
+block that reached the pool's prefix cache is on disk before the next step runs, so ``kill -9``
+loses at most the last step's blocks); ``load`` reads the first tier that has it, verifies the
+object, and on a checksum or root-key failure deletes it there, counts it and tries the next tier.
+Every change of what a tier holds is returned as a :class:`TierEvent` for the scheduler's index.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvserve.contract.block_ops import BlockPayload
+from kvserve.contract.records import TierEvent
+from kvserve.kv.tiers import object_format
+from kvserve.kv.tiers.base import Tier
+
+log = logging.getLogger("kvserve")
+
+
+class TierStack:
+    def __init__(self, tiers: list[Tier], root: bytes) -> None:
+        self.tiers = tiers
+        self.root = root
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def save(self, key: bytes, parent: bytes, payload: BlockPayload) -> list[TierEvent]:
+        data = object_format.encode(payload, root=self.root, block_hash=key, parent=parent)
+        events: list[TierEvent] = []
+        for tier in self.tiers:
+            if not tier.up:
+                continue
+            evicted = tier.put(key, data)
+            events += [TierEvent("removed", tier.name, k) for k in evicted if k != key]
+            if key not in evicted:
+                events.append(TierEvent("stored", tier.name, key))
+        return events
+
+    def load(self, key: bytes) -> tuple[BlockPayload | None, str | None, list[TierEvent]]:
+        events: list[TierEvent] = []
+        for tier in self.tiers:
+            t0 = time.perf_counter()
+            data = tier.get(key)
+            if data is None:
+                continue
+            try:
+                _, payload = object_format.decode(data, root=self.root, block_hash=key)
+            except object_format.CorruptBlock as exc:
+                log.warning("KV tier %s: corrupt block object %s deleted (%s)", tier.name, key.hex()[:12], exc)
+                tier.stats.checksum_failures += 1
+                tier.delete(key)
+                events.append(TierEvent("removed", tier.name, key))
+                continue
+            tier.stats.loads += 1
+            tier.stats.load_seconds.append(time.perf_counter() - t0)
+            return payload, tier.name, events
+        return None, None, events
+
+    def snapshot(self) -> dict[str, list[bytes]]:
+        """What each local tier holds now (the remote tier's contents are not listed)."""
+        return {t.name: list(t.keys()) for t in self.tiers if t.name != "remote"}
