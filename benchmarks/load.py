@@ -12,6 +12,13 @@ messages only, ``session_id``), closing and restarting it before it outgrows the
 Reports requests/s, output tokens/s, TTFT / inter-token latency / end-to-end percentiles, errors
 (target: none), KV blocks still held after the run once sessions are closed (target: none) and
 the server's RSS at start and end (from ``/metrics``). Prints a table and writes JSON.
+
+``--chaos`` runs twice on one server (two tenants, from an API-keys file): first the normal
+clients alone, then the same clients with ``--chaos-clients`` hostile ones beside them
+(benchmarks/chaos.py: tiny temperatures, huge seeds, big n, big bodies, refused and unknown
+fields, disconnects, session hijack attempts). It reports engine deaths, 5xx, chaos answers that
+were not the expected ones, normal requests answered, normal p99 latency with chaos ÷ without,
+blocks back to 0 and RSS growth, and exits 1 if any target is missed.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chaos import NORMAL_KEY, ChaosStats, chaos_loop, keys_file_text, watch_health
 
 WORDS = ("cache", "block", "token", "memory", "page", "prefix", "session", "queue", "batch", "stream",
          "latency", "model", "layer", "head", "vector", "python", "server", "request", "reply", "answer",
@@ -104,7 +114,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
 
 
 async def client_loop(i: int, url: str, model: str, args: argparse.Namespace, deadline: float,
-                      max_model_len: int, results: list[Result]) -> None:
+                      max_model_len: int, results: list[Result], victims: list[str] | None = None) -> None:
     rng = random.Random(args.seed * 1000 + i)
     use_session = i < args.session_clients
     sid, session_tokens, turn = f"load-{i}-0", 0, 0
@@ -122,6 +132,8 @@ async def client_loop(i: int, url: str, model: str, args: argparse.Namespace, de
                     turn += 1
                     sid, session_tokens = f"load-{i}-{turn}", 0
                 body["session_id"] = sid
+                if victims is not None and sid not in victims:
+                    victims.append(sid)
             res, usage = await one_request(client, url, body)
             results.append(res)
             if use_session and usage:
@@ -147,6 +159,11 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     for flag, value in (("--model", args.model), ("--config", args.config), ("--max-num-seqs", args.max_num_seqs)):
         if value is not None:
             cmd += [flag, str(value)]
+    if args.chaos:
+        keys = Path(args.server_log).with_suffix(".keys")
+        keys.write_text(keys_file_text())
+        keys.chmod(0o600)
+        cmd += ["--api-keys-file", str(keys)]
     log = open(args.server_log, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -174,7 +191,7 @@ def screenshot(url: str, out: Path) -> None:
                    capture_output=True, timeout=120, check=False)
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+async def run(args: argparse.Namespace, url: str, chaos: bool = False) -> dict[str, Any]:
     headers = _auth(args)
     async with httpx.AsyncClient(headers=headers, timeout=30) as c:
         models = (await c.get(url + "/v1/models")).json()["data"][0]
@@ -187,8 +204,12 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     if args.screenshot:
         shot = threading.Timer(args.duration * 0.8, screenshot, (url, Path(args.screenshot)))
         shot.start()
-    await asyncio.gather(*(client_loop(i, url, model, args, deadline, max_model_len, results)
-                           for i in range(args.clients)))
+    stats, victims = ChaosStats(), []  # type: ignore[var-annotated]
+    extra = [watch_health(url, deadline, stats)]
+    if chaos:
+        extra += [chaos_loop(i, url, model, deadline, victims, stats, args.seed) for i in range(args.chaos_clients)]
+    await asyncio.gather(*(client_loop(i, url, model, args, deadline, max_model_len, results, victims)
+                           for i in range(args.clients)), *extra)
     wall = time.monotonic() - t0
     if shot is not None:
         await asyncio.to_thread(shot.join)
@@ -216,6 +237,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "rss_end_bytes": int(end.get("process_resident_memory_bytes", 0)),
         "preemptions": int(end.get("kvserve:num_preemptions_total", 0) - start.get("kvserve:num_preemptions_total", 0)),
         "prefix_hit_rate": _ratio(end, start, "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total"),
+        "chaos": stats.to_dict(),
     }
 
 
@@ -267,24 +289,57 @@ def main() -> None:
     p.add_argument("--out", default="load.json", help="JSON results")
     p.add_argument("--screenshot", help="save a dashboard screenshot (headless chromium) here during the run")
     p.add_argument("--server-log", default="/tmp/kvserve-load-server.log")
+    p.add_argument("--chaos", action="store_true", help="a baseline run, then the same with hostile clients")
+    p.add_argument("--chaos-clients", type=int, default=4, help="hostile clients beside the normal ones")
     args = p.parse_args()
     if args.session_clients > args.clients:
         p.error("--session-clients cannot exceed --clients")
+    if args.chaos and args.url is None:
+        args.api_key = NORMAL_KEY
     proc = None
     url = args.url
     if url is None:
         proc, url = start_server(args)
     try:
         result = asyncio.run(run(args, url.rstrip("/")))
+        if args.chaos:
+            result = {"baseline": result, "chaos": asyncio.run(run(args, url.rstrip("/"), chaos=True))}
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    if args.chaos:
+        result["summary"] = chaos_summary(result["baseline"], result["chaos"])
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
+    for part in (("baseline", "chaos") if args.chaos else ()):
+        print_table(result[part])
+    if not args.chaos:
+        print_table(result)
+    else:
+        print(json.dumps(result["summary"], indent=2))
     print(f"wrote {args.out}")
-    if result["errors"] or result["blocks_leaked"] or result["requests_left"]:
+    runs = [result["baseline"], result["chaos"]] if args.chaos else [result]
+    if any(r["errors"] or r["blocks_leaked"] or r["requests_left"] for r in runs) or \
+            (args.chaos and not result["summary"]["pass"]):
         sys.exit(1)
+
+
+def chaos_summary(base: dict[str, Any], chaos: dict[str, Any]) -> dict[str, Any]:
+    c = chaos["chaos"]
+    p99_base, p99_chaos = base["e2e_s"]["p99"], chaos["e2e_s"]["p99"]
+    ratio = p99_chaos / p99_base if p99_base and p99_chaos else None
+    out = {"engine_deaths": c["engine_deaths"] + base["chaos"]["engine_deaths"],
+           "chaos_5xx": c["server_errors"], "chaos_no_answer": c["transport_errors"],
+           "chaos_unexpected": sum(c["unexpected"].values()),
+           "hijack_leaks": c["hijack_leaks"], "chaos_requests": sum(c["sent"].values()),
+           "normal_answered": f"{chaos['requests_ok']} / {chaos['requests']}",
+           "normal_errors": chaos["errors"], "normal_e2e_p99_s": {"baseline": p99_base, "chaos": p99_chaos},
+           "p99_ratio": ratio, "blocks_leaked": chaos["blocks_leaked"],
+           "rss_mib": {"start": base["rss_start_bytes"] / 2**20, "end": chaos["rss_end_bytes"] / 2**20}}
+    out["pass"] = bool(out["engine_deaths"] == 0 and out["chaos_5xx"] == 0 and out["hijack_leaks"] == 0
+                       and out["chaos_unexpected"] == 0
+                       and chaos["errors"] == 0 and out["blocks_leaked"] == 0 and ratio is not None and ratio <= 2.0)
+    return out
 
 
 if __name__ == "__main__":

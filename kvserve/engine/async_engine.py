@@ -29,8 +29,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
+from kvserve.engine.async_views import (  # noqa: F401 - re-exported: the server imports them from here
+    EngineListener,
+    EngineSnapshot,
+    FinishedRequest,
+    SessionChangedError,
+    SessionInfo,
+    _start_session_turn,
+    session_info,
+    session_infos,
+    take_snapshot,
+)
 from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -42,103 +53,6 @@ GIB = float(2**30)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an error; no request can be served."""
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """Per-request figures, reported once when a request ends (aborted ones included)."""
-
-    request_id: str
-    finish_reason: str | None
-    prompt_tokens: int
-    generation_tokens: int
-    cached_tokens: int
-    queue_s: float | None   # arrival → first scheduled
-    ttft_s: float | None    # arrival → first token
-    e2e_s: float            # arrival → end
-    kv_gib_s: float         # ∫ KV bytes held by the request dt, in GiB·s
-
-
-class EngineListener(Protocol):
-    def on_first_token(self, ttft_s: float, now: float) -> None: ...
-    def on_token_gaps(self, gaps_s: list[float], now: float) -> None: ...
-    def on_finished(self, req: FinishedRequest, now: float) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's KV and queue state at one moment (taken on the engine thread)."""
-
-    num_running: int
-    num_waiting: int
-    blocks_total: int
-    blocks_used: int
-    blocks_cached_free: int
-    blocks_pinned: int
-    block_size: int
-    tokens_held: int
-    slots_in_used_blocks: int
-    seq_len_avg: float
-    seq_len_max: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    sessions_active: int
-    sessions_expired: int
-    sessions_evicted: int
-    kv_bytes_per_token: int
-    token_capacity: int
-    max_model_len: int
-
-    @property
-    def kv_usage_ratio(self) -> float:
-        return self.blocks_used / self.blocks_total
-
-    @property
-    def fragmentation_ratio(self) -> float:
-        """1 − tokens held ÷ slots in used blocks (0 when nothing is held)."""
-        return 1.0 - self.tokens_held / self.slots_in_used_blocks if self.slots_in_used_blocks else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-
-def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    """Read the engine's state. Call on the engine thread only."""
-    st = engine.stats()
-    running = engine.scheduler.running
-    lens = [r.num_tokens for r in running]
-    held = engine.kv.tokens_held({r.request_id: r.num_computed_tokens for r in running})
-    cap = engine.capacity
-    return EngineSnapshot(
-        num_running=st.num_running, num_waiting=st.num_waiting, blocks_total=st.blocks_total,
-        blocks_used=st.blocks_used, blocks_cached_free=st.blocks_cached_free,
-        blocks_pinned=st.blocks_pinned, block_size=cap.block_size, tokens_held=held,
-        slots_in_used_blocks=st.blocks_used * cap.block_size,
-        seq_len_avg=sum(lens) / len(lens) if lens else 0.0, seq_len_max=max(lens, default=0),
-        prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits, num_preemptions=st.num_preemptions,
-        sessions_active=st.sessions_active, sessions_expired=st.sessions_expired,
-        sessions_evicted=st.sessions_evicted, kv_bytes_per_token=cap.bytes_per_token,
-        token_capacity=cap.token_capacity, max_model_len=engine.max_model_len,
-    )
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    session_id: str
-    num_tokens: int
-    resident: bool      # holds its KV blocks now (False once released: idle, memory pressure)
-    pinned_blocks: int
-    busy: bool          # a turn is in flight
-    idle_s: float       # seconds since its last turn
-
-
-def session_infos(engine: LLMEngine, now: float | None = None) -> list[SessionInfo]:
-    """Every session the engine knows. Call on the engine thread only."""
-    now = time.monotonic() if now is None else now
-    return [SessionInfo(s.session_id, s.num_tokens, s.resident, len(s.blocks), s.busy,
-                        max(0.0, now - s.last_used)) for s in engine.list_sessions()]
 
 
 # -- streams ---------------------------------------------------------------------------------
@@ -255,6 +169,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        self.engine.shutdown()  # the runner (a child process with runner="process")
 
     @property
     def alive(self) -> bool:
@@ -273,17 +188,31 @@ class AsyncLLMEngine:
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None,
                           session_id: str | None = None, cache_salt: str | None = None,
+                          kv_cache_dtype: str | None = None, session_overflow: str | None = None,
+                          tenant: str | None = None,
+                          restart_session: bool = False, expect_session_tokens: int | None = None,
+                          check_session: bool = False,
                           on_done: Callable[[RequestOutput | None], None] | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError
         (bad input: nothing was queued) or :class:`EngineDeadError`. ``on_done(final output)`` runs
-        on this event loop when the request ends, aborted or not, read or not."""
+        on this event loop when the request ends, aborted or not, read or not.
+
+        Session turns: with ``check_session`` the session must hold ``expect_session_tokens``
+        tokens (None: not exist) when the turn is added, and ``restart_session`` closes it first
+        (the turn starts it afresh). ``session_overflow`` overrides the engine's choice for this
+        turn; ``tenant`` (the session's owner) is what the engine's per-tenant session cap counts."""
         rid = request_id or self.new_request_id()
         stream = RequestStream(self, rid, asyncio.get_running_loop(), on_done)
         arrival = time.monotonic()
         n = params.n
+        extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "session_overflow": session_overflow,
+                                 "tenant": tenant if session_id is not None else None}
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt, session_id=session_id)
+            if session_id is not None and (check_session or restart_session):
+                _start_session_turn(engine, session_id, restart_session, expect_session_tokens)
+            engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt, session_id=session_id,
+                               **extra)
             self._live[rid] = _Live(stream, arrival, [0] * n, [arrival] * n)
             self._last_waiting = engine.scheduler.num_waiting
 
@@ -319,8 +248,14 @@ class AsyncLLMEngine:
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(take_snapshot)
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        return await self.call(session_infos)
+    async def list_sessions(self, prefix: str | None = None) -> list[SessionInfo]:
+        return await self.call(lambda e: session_infos(e, prefix=prefix))
+
+    async def session(self, session_id: str) -> SessionInfo | None:
+        return await self.call(lambda e: session_info(e, session_id))
+
+    async def session_ids(self) -> set[str]:
+        return await self.call(lambda e: {s.session_id for s in e.list_sessions()})
 
     async def close_session(self, session_id: str) -> bool:
         return await self.call(lambda e: e.close_session(session_id))

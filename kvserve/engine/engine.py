@@ -91,6 +91,7 @@ class LLMEngine:
         restored = attach_session_stores(self.kv.sessions, config.cache)
         if restored:
             log.info("restored %d session(s) from the KV tiers' session records", restored)
+            self.kv.expect_remote_history()
         self._seeds = random.Random(config.seed)  # seeds of requests that give none
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

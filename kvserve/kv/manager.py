@@ -249,6 +249,17 @@ class KVCacheManager:
         self._num_cached[req.request_id] = full
 
     # -- tiers -------------------------------------------------------------------------------
+    def expect_remote_history(self) -> None:
+        """Sessions restored from records (another instance's, through Redis): their history's
+        full blocks may be in the remote tier, which this process cannot list; mark them there so
+        the next turn tries to load them (a block that is not there is recomputed)."""
+        if "remote" not in self.tiers.index.tiers:
+            return
+        for s in self.sessions.all():
+            if not s.resident:
+                root = request_root(self.root_key, None, s.cache_salt)
+                self.tiers.index.mark("remote", hash_full_blocks(s.token_ids, self.block_size, root))
+
     def begin_loading(self, req: Request, computed: ComputedBlocks) -> Loading | None:
         """Start bringing the blocks of ``req``'s prefix that only the tiers hold back into the
         pool (after ``computed``, its pool hits); None when the tiers hold nothing more."""

@@ -18,6 +18,7 @@ from kvserve.config_file import write_config_file
 from kvserve.planner.compare import compare_section, compare_to_dict, run_compare
 from kvserve.planner.hardware import cpu_measurements
 from kvserve.planner.inputs import PlanRequest
+from kvserve.planner.kv_only import has_hardware, kv_only
 from kvserve.planner.plan import build_plan
 from kvserve.planner.presets import hardware_presets, model_presets
 from kvserve.planner.render import print_rich, to_markdown
@@ -191,6 +192,9 @@ def plan_command(
             raise ValueError("--plot and --write-config work on a single plan, not with --compare")
         key, variants = run_compare(req, compare)
         _emit([compare_section(key, variants)], compare_to_dict(key, variants), as_json, as_markdown)
+        return
+    if not has_hardware(req) and not (write_config or plot or check):
+        _emit(*kv_only(req), as_json, as_markdown)  # what needs no hardware, instead of an error
         return
     plan = build_plan(req)
     config = engine_config_for(plan) if write_config else None  # refuse before printing anything

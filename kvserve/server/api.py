@@ -1,15 +1,20 @@
 """The FastAPI app: OpenAI-compatible endpoints, sessions, health, metrics and the dashboard.
 
     GET  /health                    200 while the engine thread runs, else 503
+    GET  /version                   {"version"}
     GET  /v1/models
     POST /v1/completions            stream, n, stop, seed, logprobs, session_id
     POST /v1/chat/completions       stream, n, stop, seed, logprobs/top_logprobs, session_id
-    GET  /v1/sessions               DELETE /v1/sessions/{id}    GET /v1/sessions/{id}
-    GET  /metrics                   Prometheus text, prefix kvserve:
+    GET  /v1/sessions               DELETE /v1/sessions/{id}    GET /v1/sessions/{id}   (the caller's own)
+    POST /tokenize, /detokenize     vLLM's shapes
+    GET  /metrics                   Prometheus text, prefixes kvserve: and vllm:
     GET  /dashboard                 live page; it polls GET /dashboard/data every second
 
-``/v1/*`` needs ``Authorization: Bearer <key>`` when the server has an API key; health, metrics
-and the dashboard do not (they carry no prompts or outputs).
+``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <key>`` when the server
+has API keys; each key is a tenant that sees only its own sessions. Health, version, metrics and
+the dashboard do not (they carry no prompts, outputs or session ids: docs/server.md, Security).
+Every request body is declared in the OpenAPI schema (``/openapi.json``); a body that does not
+fit it is a 400 in OpenAI's error shape, never FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,26 +30,48 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 
 from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.server.body_limit import BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, install_handlers
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ModelCard, ModelList, SessionCard, SessionList
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SessionCard,
+    SessionDeleted,
+    SessionList,
+)
+from kvserve.server.routes_tokens import add_token_routes
 from kvserve.server.sessions import ChatSessions
 from kvserve.server.state import ClientDisconnected, ServerState
+from kvserve.server.tenants import engine_session_id, own_session_id, tenant_of
 from kvserve.server.timeline import Timeline
+from kvserve.server.tokenizing import TokenizerPool
 
 log = logging.getLogger("kvserve.server")
 DASHBOARD_HTML = Path(__file__).resolve().parent / "dashboard" / "index.html"
+PRUNE_EVERY_S = 10.0
+
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
+                                           for code in (400, 401, 404, 409, 413, 429, 500, 503)}
+SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
 def create_app(engine: AsyncLLMEngine, config: ServerConfig, model_path: str = "",
                own_engine: bool = True) -> FastAPI:
     """An app serving ``engine``. Its lifespan starts the engine thread and the dashboard sampler
     and, if ``own_engine``, shuts the engine down at exit."""
+    tokenizer = engine.engine.tokenizer
     state = ServerState(engine, config, model_path, ServerMetrics(config.served_model_name),
-                        Timeline(config.dashboard_points), ChatSessions(engine.engine.tokenizer))
+                        Timeline(config.dashboard_points), ChatSessions(tokenizer),
+                        TokenizerPool(tokenizer, config.tokenizer_workers))
     engine.listeners.extend([state.metrics, state.timeline])
 
     @contextlib.asynccontextmanager
@@ -56,25 +82,66 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, model_path: str = "
             yield
         finally:
             sampler.cancel()
+            state.tokenizers.shutdown()
             if own_engine:
                 await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
     install_handlers(app)
-    app.include_router(_v1_router(state))
+
+    async def current_tenant(request: Request) -> str:
+        return tenant_of(request, state.config.keys)
+
+    app.include_router(_v1_router(state, current_tenant))
+    add_token_routes(app, state, current_tenant, ERRORS)
     _add_plain_routes(app, state)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    _openapi_without_422(app)
     return app
 
 
+def _openapi_without_422(app: FastAPI) -> None:
+    """Invalid bodies are 400s in OpenAI's shape (declared per route), never FastAPI's 422."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0"
+
+
 async def _sample_forever(state: ServerState) -> None:
-    """One dashboard point (and a fresh metrics snapshot) per interval."""
+    """One dashboard point (and a fresh metrics snapshot) per interval; now and then, drop the
+    transcripts of sessions the engine has forgotten."""
+    last_prune = 0.0
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(state.config.sample_interval_s)
         if not state.engine.alive:
             continue
         try:
             snap = await state.engine.snapshot()
+            if loop.time() - last_prune > PRUNE_EVERY_S and len(state.chat_sessions):
+                state.chat_sessions.prune(await state.engine.session_ids())
+                last_prune = loop.time()
         except Exception:  # the engine died between the check and the call
             log.exception("dashboard sampling failed")
             continue
@@ -82,77 +149,78 @@ async def _sample_forever(state: ServerState) -> None:
         state.timeline.sample(snap)
 
 
-def _v1_router(state: ServerState) -> APIRouter:
-    async def require_key(request: Request) -> None:
-        key = state.config.api_key
-        if key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        if given is None:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-        if not secrets.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+def _v1_router(state: ServerState, current_tenant: Any) -> APIRouter:
+    router = APIRouter(prefix="/v1")
 
-    router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
-
-    @router.get("/models")
-    async def models() -> dict[str, Any]:
+    @router.get("/models", response_model=ModelList, responses=ERRORS)
+    async def models(_: str = Depends(current_tenant)) -> dict[str, Any]:
         card = ModelCard(id=state.config.served_model_name, created=state.started, root=state.model_path,
                          max_model_len=state.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @router.post("/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        return await _guarded(request, create_completion(state, request, await request.body()))
+    @router.post("/completions", response_model=None,
+                 responses={200: {"model": CompletionResponse, "content": SSE}, **ERRORS})
+    async def completions(request: Request, body: CompletionRequest,
+                          tenant: str = Depends(current_tenant)) -> Response:
+        return await _guarded(create_completion(state, request, body, tenant))
 
-    @router.post("/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        return await _guarded(request, create_chat_completion(state, request, await request.body()))
+    @router.post("/chat/completions", response_model=None,
+                 responses={200: {"model": ChatCompletionResponse, "content": SSE}, **ERRORS})
+    async def chat_completions(request: Request, body: ChatCompletionRequest,
+                               tenant: str = Depends(current_tenant)) -> Response:
+        return await _guarded(create_chat_completion(state, request, body, tenant))
 
-    @router.get("/sessions")
-    async def list_sessions() -> dict[str, Any]:
-        cards = [_card(s) for s in await state.engine.list_sessions()]
+    @router.get("/sessions", response_model=SessionList, responses=ERRORS)
+    async def list_sessions(tenant: str = Depends(current_tenant)) -> dict[str, Any]:
+        infos = await state.engine.list_sessions(prefix=engine_session_id(tenant, ""))
+        cards = [_card(s, own_session_id(tenant, s.session_id) or "") for s in infos]
         return SessionList(data=cards).model_dump()
 
-    @router.get("/sessions/{session_id}")
-    async def get_session(session_id: str) -> dict[str, Any]:
-        info = await state.session(session_id)
+    @router.get("/sessions/{session_id}", response_model=SessionCard, responses=ERRORS)
+    async def get_session(session_id: str, tenant: str = Depends(current_tenant)) -> dict[str, Any]:
+        info = await state.session(engine_session_id(tenant, session_id))
         if info is None:
-            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
-        return _card(info).model_dump()
+            raise _no_session(session_id)
+        return _card(info, session_id).model_dump()
 
-    @router.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str) -> dict[str, Any]:
-        closed = await state.engine.close_session(session_id)
-        state.chat_sessions.forget(session_id)
+    @router.delete("/sessions/{session_id}", response_model=SessionDeleted, responses=ERRORS)
+    async def delete_session(session_id: str, tenant: str = Depends(current_tenant)) -> dict[str, Any]:
+        esid = engine_session_id(tenant, session_id)
+        closed = await state.engine.close_session(esid)
+        state.chat_sessions.forget(esid)
         if not closed:
-            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
-        return {"id": session_id, "object": "session.deleted", "deleted": True}
+            raise _no_session(session_id)
+        return SessionDeleted(id=session_id, deleted=True).model_dump()
 
     return router
 
 
-def _card(s: Any) -> SessionCard:
-    return SessionCard(id=s.session_id, num_tokens=s.num_tokens, resident=s.resident,
+def _no_session(session_id: str) -> APIError:
+    """The same answer for an id nobody uses and another tenant's id."""
+    return APIError(404, f"no session {session_id[:128]!r}", param="session_id", code="session_not_found")
+
+
+def _card(s: Any, client_id: str) -> SessionCard:
+    return SessionCard(id=client_id, num_tokens=s.num_tokens, resident=s.resident,
                        pinned_blocks=s.pinned_blocks, busy=s.busy, idle_s=round(s.idle_s, 3))
 
 
-async def _guarded(request: Request, coro: Any) -> Response:
+async def _guarded(coro: Any) -> Response:
     try:
-        return await coro
+        return await coro  # type: ignore[no-any-return]
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the request was aborted
 
 
 def _add_plain_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health", response_model=None)
+    @app.get("/health", response_model=None, responses={503: {"description": "the engine stopped"}})
     async def health() -> Response:
         if state.engine.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "error", "error": repr(state.engine.error)}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         if state.engine.alive:
             state.metrics.set_snapshot(await state.engine.snapshot())

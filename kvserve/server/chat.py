@@ -1,12 +1,15 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` samples.
 
-Without a session the whole conversation is templated and tokenized (the prefix cache still finds
-the earlier turns). With a session only the new messages' tokens are sent; the engine appends them
-to the session's history and reuses its pinned KV (see :mod:`kvserve.server.sessions`).
+Without a session the whole conversation is templated and tokenized on a tokenizer worker (the
+prefix cache still finds the earlier turns). With a session only the new messages' tokens are
+sent; the engine appends them to the session's history and reuses its pinned KV, or the turn
+restarts the session when the client resends another conversation (see
+:mod:`kvserve.server.sessions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +18,14 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.async_engine import EngineDeadError, RequestStream, SessionChangedError
 from kvserve.engine.chat_session import Message
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.params import (
+    check_limits,
+    check_response_format,
     default_chat_max_tokens,
     refuse_unsupported,
     sampling_params,
@@ -35,16 +42,20 @@ from kvserve.server.protocol import (
     DeltaMessage,
 )
 from kvserve.server.state import ServerState, unless_disconnected
-from kvserve.server.streaming import DONE, Deltas, chat_logprobs, error_event, sse
+from kvserve.server.streaming import DONE, Deltas, chat_logprobs, error_event, failure_of, sse
+
+
+def render_chat(tokenizer: Any, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt))
+    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's error
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
 
 def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     """The whole conversation through the chat template, with the generation prompt."""
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's error
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
 
 
 def _messages(req: ChatCompletionRequest) -> list[Message]:
@@ -57,10 +68,17 @@ def _messages(req: ChatCompletionRequest) -> list[Message]:
     return out
 
 
-async def create_chat_completion(state: ServerState, request: Request, body: bytes) -> JSONResponse | StreamingResponse:
-    req = ChatCompletionRequest.model_validate_json(body)
+@dataclasses.dataclass
+class _Added:
+    stream: RequestStream
+    restarted: bool = False
+
+
+async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
+                                 tenant: str) -> JSONResponse | StreamingResponse:
     state.check_model(req.model)
     refuse_unsupported(req)
+    check_limits(req, state.config, state.vocab_size)
     sid = session_id_of(req.session_id, request.headers.get("x-session-id"))
     if sid is not None and req.n != 1:
         raise APIError(400, "a session continues one conversation: use n=1 with session_id", param="n")
@@ -68,44 +86,107 @@ async def create_chat_completion(state: ServerState, request: Request, body: byt
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top_n = req.top_logprobs or 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    state.check_queue()
-    stream = await _add(state, req, _messages(req), sid, max_tokens, top_n if req.logprobs else None)
+    # validated before any tokenizing; max_tokens is settled once the prompt's length is known
+    provisional = max_tokens if max_tokens is not None else max(1, req.min_tokens)
+    params = sampling_params(req, provisional, top_n if req.logprobs else None,
+                             state.tokenizer, state.vocab_size)
+    await state.tokenizers.run(lambda tok: check_response_format(tok, params, state.vocab_size))
+    state.check_queue(req.n)
+    added = await _add(state, req, _messages(req), sid, tenant, max_tokens, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    headers = {"X-Session-Restarted": "true"} if added.restarted else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, rid, stream, include_usage, top_n, sid),
-                                 media_type="text/event-stream")
-    final = await unless_disconnected(request, stream.result())
-    choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason, logprobs=chat_logprobs(state.tokenizer, c, 0, top_n),
+        return StreamingResponse(_stream(state, req, rid, added.stream, include_usage, top_n),
+                                 media_type="text/event-stream", headers=headers)
+    final: RequestOutput = await unless_disconnected(request, added.stream.result())
+    failed = failure_of(final)
+    if failed is not None:
+        raise APIError(500, failed, code="request_failed")
+    choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                          logprobs=chat_logprobs(state.tokenizer, c, 0, top_n),
                           token_ids=c.token_ids if req.return_token_ids else None) for c in final.outputs]
     resp = ChatCompletionResponse(id=rid, model=state.config.served_model_name, choices=choices,
                                   usage=usage_of([final]), session_id=sid,
+                                  session_restarted=True if added.restarted else None,
                                   prompt_token_ids=final.prompt_token_ids if req.return_token_ids else None)
-    return JSONResponse(resp.model_dump(exclude_none=True))
+    return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    try:
+        return dataclasses.replace(params, max_tokens=max_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="max_tokens") from None
 
 
 async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Message], sid: str | None,
-               max_tokens: int | None, logprobs: int | None) -> RequestStream:
-    engine, sessions = state.engine, state.chat_sessions
+               tenant: str, max_tokens: int | None, params: SamplingParams) -> _Added:
+    engine = state.engine
+    salt = state.salt(tenant, req.cache_salt)
+    overflow = req.session_overflow or state.config.session_overflow
     if sid is None:
-        ids = chat_token_ids(state.tokenizer, messages)
+        def encode(tok: Any) -> list[int]:
+            text = render_chat(tok, messages)
+            state.check_bytes(text, 0, max_tokens, "messages")
+            return list(tok.encode(text, add_special_tokens=False))
+
+        ids = await state.tokenizers.run(encode)
         mt = max_tokens if max_tokens is not None else default_chat_max_tokens(len(ids), state.max_model_len)
-        return await engine.add_request(ids, sampling_params(req, mt, logprobs), cache_salt=req.cache_salt)
-    known = await state.session(sid)
-    ids = sessions.begin_turn(sid, messages, known.num_tokens if known else None)
-    try:
-        history = known.num_tokens if known else 0
-        mt = max_tokens if max_tokens is not None else default_chat_max_tokens(history + len(ids), state.max_model_len)
-        return await engine.add_request(ids, sampling_params(req, mt, logprobs), session_id=sid,
-                                        cache_salt=req.cache_salt, on_done=lambda out: sessions.end_turn(sid, out))
-    except BaseException:
-        sessions.abandon_turn(sid)
-        raise
+        stream = await engine.add_request(ids, _with_max_tokens(params, mt), cache_salt=salt,
+                                          kv_cache_dtype=req.kv_cache_dtype)
+        return _Added(stream)
+    esid, sessions = state.session_id(tenant, sid), state.chat_sessions
+    for attempt in range(3):
+        async with sessions.lock(esid):
+            known = await state.session(esid)
+            if known is not None and known.busy:
+                raise APIError(409, f"session {sid!r} is already serving a turn; wait for it to finish",
+                               param="session_id", code="session_busy")
+            have = known.num_tokens if known is not None else None
+            plan = await state.tokenizers.run(lambda tok, have=have: sessions.plan(esid, messages, have, tok))
+            history = 0 if plan.restart or have is None else have
+            mt = max_tokens if max_tokens is not None else default_chat_max_tokens(history + len(plan.ids),
+                                                                                    state.max_model_len)
+            version = sessions.commit(esid, plan)
+            try:
+                stream = await engine.add_request(
+                    plan.ids, _with_max_tokens(params, mt), session_id=esid, cache_salt=salt,
+                    kv_cache_dtype=req.kv_cache_dtype, session_overflow=overflow, tenant=tenant,
+                    check_session=True,
+                    restart_session=plan.restart, expect_session_tokens=have,
+                    on_done=lambda out, v=version: sessions.end_turn(esid, v, out))  # type: ignore[misc]
+            except SessionChangedError:
+                sessions.end_turn(esid, version, None)
+                if attempt == 2:
+                    raise APIError(409, f"session {sid!r} changed while this turn was prepared; retry",
+                                   param="session_id", code="session_busy") from None
+                continue
+            except ValueError as exc:
+                sessions.end_turn(esid, version, None)
+                raise session_error(str(exc), esid, sid, history) from None
+            except BaseException:
+                sessions.end_turn(esid, version, None)
+                raise
+            return _Added(stream, plan.restart)
+    raise AssertionError("unreachable")
+
+
+def session_error(msg: str, engine_id: str, sid: str, history: int) -> Exception:
+    """An engine refusal of a session turn, in the client's words (the engine names the namespaced
+    id), and with what to do when the session has outgrown the context or the pool."""
+    msg = msg.replace(repr(engine_id), repr(sid)).replace(engine_id, sid)
+    if history and ("max_model_len" in msg or "KV pool" in msg):
+        return APIError(400, f"{msg}. Session {sid!r} already holds {history} tokens: close it "
+                             f"(DELETE /v1/sessions/{sid}) and start a new one, lower max_tokens, or let the server "
+                             "drop the oldest turns (session_overflow: 'drop_oldest' with --max-session-tokens)",
+                        param="session_id", code="session_too_long")
+    return ValueError(msg)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stream: RequestStream,
-                  include_usage: bool, top_n: int, sid: str | None) -> AsyncIterator[bytes]:
+                  include_usage: bool, top_n: int) -> AsyncIterator[bytes]:
     created, model = int(time.time()), state.config.served_model_name
 
     def chunk(choices: list[ChatStreamChoice], **kw: Any) -> bytes:
@@ -117,6 +198,10 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
                      for i in range(req.n)])
         final = None
         async for out in stream:
+            failed = failure_of(out)
+            if failed is not None:
+                yield error_event(500, failed, code="request_failed")
+                return
             for c in out.outputs:
                 got = deltas.take(c.index, c)
                 if got is None:

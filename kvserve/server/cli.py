@@ -18,7 +18,12 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         kv_cache_memory: str | None = None, max_model_len: int | None = None,
                         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                         block_size: int | None = None, session_idle_timeout_s: float | None = None,
-                        device: str | None = None) -> EngineConfig:
+                        device: str | None = None, kv_cache_dtype: str | None = None,
+                        max_session_tokens: int | None = None, session_overflow: str | None = None,
+                        session_retention_s: float | None = None,
+                        max_sessions_per_tenant: int | None = None, runner: str | None = None,
+                        kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
+                        kv_disk_size: str | None = None, kv_remote: str | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -39,6 +44,15 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
         cache_kw["block_size"] = block_size
     if session_idle_timeout_s is not None:
         cache_kw["session_idle_timeout_s"] = session_idle_timeout_s
+    for name, size in (("kv_host_memory", kv_host_memory), ("kv_disk_size", kv_disk_size)):
+        if size is not None:
+            cache_kw[name] = parse_size(size)
+    for name, value in (("kv_cache_dtype", kv_cache_dtype), ("max_session_tokens", max_session_tokens),
+                        ("kv_disk_dir", kv_disk_dir), ("kv_remote", kv_remote),
+                        ("session_overflow", session_overflow), ("session_retention_s", session_retention_s),
+                        ("max_sessions_per_tenant", max_sessions_per_tenant)):
+        if value is not None:
+            cache_kw[name] = value
     sched_kw: dict[str, Any] = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     top_kw: dict[str, Any] = {}
@@ -48,6 +62,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
         top_kw["dtype"] = dtype
     if device is not None:
         top_kw["device"] = device
+    if runner is not None:
+        top_kw["runner"] = runner
     return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),
                                scheduler=dataclasses.replace(base.scheduler, **sched_kw), **top_kw)
 
@@ -57,12 +73,24 @@ def serve(
     config: Annotated[str | None, typer.Option("--config", help="Engine config JSON (kvserve plan --write-config).")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; 0.0.0.0 exposes the server.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KVSERVE_API_KEY",
-                                                help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/*; repeat for several tenants "
+                          "(a flag shows in ps: prefer --api-keys-file or KVSERVE_API_KEY).")] = None,
+    api_keys_file: Annotated[str | None, typer.Option("--api-keys-file",
+                                                      help="File of 'KEY TENANT' lines.")] = None,
+    share_prefix_cache: Annotated[bool, typer.Option(
+        "--share-prefix-cache-across-tenants",
+        help="Let tenants hit each other's prefix cache (cached_tokens then reveals shared prompts).")] = False,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name",
                                                           help="Model id clients send (default: the folder name).")] = None,
-    max_waiting: Annotated[int, typer.Option("--max-waiting", help="429 when this many requests wait (0: no limit).")] = 256,
+    max_waiting: Annotated[int, typer.Option("--max-waiting",
+                                             help="429 when this many sequences wait (0: no limit).")] = 256,
+    max_n: Annotated[int, typer.Option("--max-n", help="Most samples (n) one request may ask for.")] = 128,
+    max_body_size: Annotated[str, typer.Option("--max-body-size", help="Largest request body (413 above).")] = "4MiB",
+    tokenizer_workers: Annotated[int, typer.Option("--tokenizer-workers", help="Tokenizer threads.")] = 2,
     dtype: Annotated[str | None, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype",
+                                                       help="KV codec: auto, bf16, fp8, int8, int4 ...")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option("--kv-cache-memory", help="KV pool size, e.g. 2GiB.")] = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     max_num_seqs: Annotated[int | None, typer.Option("--max-num-seqs")] = None,
@@ -70,7 +98,22 @@ def serve(
     block_size: Annotated[int | None, typer.Option("--block-size")] = None,
     session_idle_timeout: Annotated[float | None, typer.Option("--session-idle-timeout",
                                                                help="Seconds before an idle session's KV is released.")] = None,
+    session_retention: Annotated[float | None, typer.Option(
+        "--session-retention", help="Seconds before an idle session's history is forgotten.")] = None,
+    max_session_tokens: Annotated[int | None, typer.Option("--max-session-tokens",
+                                                           help="Most tokens one session may hold.")] = None,
+    max_sessions_per_tenant: Annotated[int | None, typer.Option(
+        "--max-sessions-per-tenant", help="A new session past it forgets the tenant's least recent idle one.")] = None,
+    session_overflow: Annotated[str | None, typer.Option(
+        "--session-overflow", help="When a session outgrows its cap: error or drop_oldest.")] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N].")] = None,
+    runner: Annotated[str | None, typer.Option(
+        "--runner", help="inline (this process) or process (the model and KV in a child process).")] = None,
+    kv_host_memory: Annotated[str | None, typer.Option("--kv-host-memory", help="Host RAM KV tier, e.g. 8GiB.")] = None,
+    kv_disk_dir: Annotated[str | None, typer.Option(
+        "--kv-disk-dir", help="Disk KV tier and session records (survive a restart).")] = None,
+    kv_disk_size: Annotated[str | None, typer.Option("--kv-disk-size", help="Disk tier size (default 50GiB).")] = None,
+    kv_remote: Annotated[str | None, typer.Option("--kv-remote", help="Redis KV tier: redis://HOST:PORT/DB.")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -80,20 +123,31 @@ def serve(
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.api import create_app
     from kvserve.server.config import ServerConfig
+    from kvserve.server.tenants import collect_keys
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    keys = collect_keys(api_key or [], api_keys_file, os.environ.get("KVSERVE_API_KEY") or None)
     ecfg = build_engine_config(model, config, dtype=dtype, kv_cache_memory=kv_cache_memory,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                               session_idle_timeout_s=session_idle_timeout, device=device)
-    scfg = ServerConfig(host=host, port=port, api_key=api_key or None,
+                               session_idle_timeout_s=session_idle_timeout, device=device,
+                               kv_cache_dtype=kv_cache_dtype, max_session_tokens=max_session_tokens,
+                               session_overflow=session_overflow, session_retention_s=session_retention,
+                               max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
+                               kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
+                               kv_remote=kv_remote)
+    scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
-                        max_waiting=max_waiting or None)
+                        max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
+                        tokenizer_workers=tokenizer_workers)
     engine = AsyncLLMEngine(LLMEngine(ecfg))
     app = create_app(engine, scfg, model_path=ecfg.model)
+    tenants = sorted(set(keys.values()))
+    who = (f"{len(keys)} API key(s), {len(tenants)} tenant(s); each sees only its own sessions"
+           + ("; prefix cache shared across tenants" if share_prefix_cache else "")) if keys else \
+        "no API key: single-tenant, /v1/* is open to anyone who can reach this address"
     typer.echo(f"kvserve: serving {scfg.served_model_name!r} on http://{host}:{port} "
-               f"(dashboard: http://{host}:{port}/dashboard){' — API key required' if api_key else ''}",
-               err=True)
+               f"(dashboard: http://{host}:{port}/dashboard) — {who}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics, prefix ``kvserve:``, every series labelled ``model_name``.
+"""Prometheus metrics, prefix ``kvserve:``, every series labelled ``model_name``; beside them,
+vLLM's names (prefix ``vllm:``) where the meaning is the same, so existing vLLM boards work.
 
 Two sources:
   * the engine's state, read at scrape time from an :class:`EngineSnapshot` (KV blocks, tokens
@@ -21,6 +22,18 @@ from prometheus_client.registry import Collector
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
 
 P = "kvserve:"
+V = "vllm:"
+# vLLM name → the snapshot attribute it reads (same meaning as vLLM's v1 metrics)
+VLLM_GAUGES: list[tuple[str, str, str]] = [
+    ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage_ratio"),
+    ("num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+]
+VLLM_COUNTERS: list[tuple[str, str, str]] = [
+    ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_queries"),
+    ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
+    ("num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+]
 
 # (name, help, value of a snapshot); gauges first, then engine-side cumulative counters
 GAUGES: list[tuple[str, str, str]] = [
@@ -68,14 +81,15 @@ class _EngineCollector(Collector):
         snap = self.snapshot
         if snap is None:
             return
-        for name, doc, attr in GAUGES:
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(getattr(snap, attr)))
-            yield g
-        for name, doc, attr in ENGINE_COUNTERS:
-            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(getattr(snap, attr)))
-            yield c
+        for prefix, gauges, counters in ((P, GAUGES, ENGINE_COUNTERS), (V, VLLM_GAUGES, VLLM_COUNTERS)):
+            for name, doc, attr in gauges:
+                g = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
+                g.add_metric([self.model_name], float(getattr(snap, attr)))
+                yield g
+            for name, doc, attr in counters:
+                c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], float(getattr(snap, attr)))
+                yield c
 
 
 class ServerMetrics:
@@ -88,11 +102,12 @@ class ServerMetrics:
         self.registry.register(self._engine)
         label = {"model_name": model_name}
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(**label)
+        def hist(name: str, doc: str, buckets: tuple[float, ...], prefix: str = P) -> Histogram:
+            return Histogram(prefix + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(**label)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(P + name, doc, ["model_name"], registry=self.registry).labels(**label)
+        def counter(name: str, doc: str, prefix: str = P) -> Counter:
+            return Counter(prefix + name, doc, ["model_name"], registry=self.registry).labels(**label)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a sample.",
@@ -107,6 +122,19 @@ class ServerMetrics:
         self._finished = Counter(P + "request_success", "Finished requests by finish reason.",
                                  ["model_name", "finish_reason"], registry=self.registry)
         self._model_name = model_name
+        # vLLM's names for the same events
+        self.v_ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                           TTFT_BUCKETS, V)
+        self.v_itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                          ITL_BUCKETS, V)
+        self.v_e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                          E2E_BUCKETS, V)
+        self.v_queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase.",
+                            E2E_BUCKETS, V)
+        self.v_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.", V)
+        self.v_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.", V)
+        self._v_finished = Counter(V + "request_success", "Count of successfully processed requests.",
+                                   ["model_name", "finished_reason"], registry=self.registry)
 
     def set_snapshot(self, snap: EngineSnapshot) -> None:
         self._engine.snapshot = snap
@@ -117,16 +145,24 @@ class ServerMetrics:
     # -- EngineListener (engine thread) ------------------------------------------------------
     def on_first_token(self, ttft_s: float, now: float) -> None:
         self.ttft.observe(ttft_s)
+        self.v_ttft.observe(ttft_s)
 
     def on_token_gaps(self, gaps_s: list[float], now: float) -> None:
         for g in gaps_s:
             self.itl.observe(g)
+            self.v_itl.observe(g)
 
     def on_finished(self, req: FinishedRequest, now: float) -> None:
         self.e2e.observe(req.e2e_s)
+        self.v_e2e.observe(req.e2e_s)
         if req.queue_s is not None:
             self.queue.observe(req.queue_s)
+            self.v_queue.observe(req.queue_s)
         self.kv_gib_s.observe(req.kv_gib_s)
         self.prompt_tokens.inc(req.prompt_tokens)
         self.generation_tokens.inc(req.generation_tokens)
-        self._finished.labels(model_name=self._model_name, finish_reason=str(req.finish_reason)).inc()
+        self.v_prompt_tokens.inc(req.prompt_tokens)
+        self.v_generation_tokens.inc(req.generation_tokens)
+        reason = str(req.finish_reason)
+        self._finished.labels(model_name=self._model_name, finish_reason=reason).inc()
+        self._v_finished.labels(model_name=self._model_name, finished_reason=reason).inc()

@@ -1,10 +1,18 @@
 """OpenAI API schemas (the subset kvserve serves), as pydantic models.
 
-Requests are validated strictly from the raw JSON body: a field of the wrong type (``"n": "2"``,
-``"temperature": "hot"``) is a 400, never coerced. Unknown fields are ignored, as OpenAI does.
-kvserve extensions (vLLM's names where vLLM has one): ``top_k``, ``stop_token_ids``,
+Requests are validated strictly: a field of the wrong type (``"n": "2"``, ``"temperature":
+"hot"``) is a 400, never coerced, and so is a field kvserve does not know (OpenAI ignores them;
+kvserve refuses them so that a client never gets a quietly different answer, e.g. vLLM's
+``min_tokens`` used to be dropped). Accepted and ignored, documented as harmless: ``user``,
+``metadata``, ``store`` (and ``tool_call_id`` on a message). Refused with a 400 naming the field,
+though declared so the message can say why: ``functions``, ``function_call``,
+``parallel_tool_calls``, ``modalities``, ``audio``, ``prediction``, ``reasoning_effort``,
+``service_tier``, assistant ``tool_calls`` in the history.
+
+kvserve extensions (vLLM's names where vLLM has one): ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``stop_token_ids``,
 ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``session_id``,
-``cache_salt``, ``return_token_ids``.
+``session_overflow``, ``cache_salt``, ``kv_cache_dtype``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -13,10 +21,15 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+HARMLESS_FIELDS = ("user", "metadata", "store")
+REFUSED_CHAT_FIELDS = ("functions", "function_call", "parallel_tool_calls", "modalities", "audio",
+                       "prediction", "reasoning_effort", "service_tier")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -36,15 +49,26 @@ class _SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # accepted and ignored (harmless)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # extensions
     top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     session_id: str | None = None
+    session_overflow: Literal["error", "drop_oldest"] | None = None
     cache_salt: str | None = None
+    kv_cache_dtype: str | None = None
     return_token_ids: bool = False
 
 
@@ -58,6 +82,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")  # non-text parts are refused by type
     type: str
     text: str | None = None
 
@@ -66,6 +91,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # accepted, ignored (the template sees the content)
+    tool_calls: SkipJsonSchema[list[Any] | None] = None  # refused when non-empty
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused by the caller."""
@@ -84,7 +111,15 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    # refused with a 400 that names them (declared so the message can say why)
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    parallel_tool_calls: SkipJsonSchema[Any] = None
+    modalities: SkipJsonSchema[Any] = None
+    audio: SkipJsonSchema[Any] = None
+    prediction: SkipJsonSchema[Any] = None
+    reasoning_effort: SkipJsonSchema[Any] = None
+    service_tier: SkipJsonSchema[Any] = None
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -96,11 +131,21 @@ class PromptTokensDetails(_Response):
     cached_tokens: int
 
 
+class KVUsage(_Response):
+    """Where the prompt's KV came from: tokens found per place, tokens recomputed, time loading
+    from the tiers (docs/tiers.md)."""
+
+    hit_tokens: dict[str, int]
+    recomputed_tokens: int
+    load_ms: float
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    kv: KVUsage | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -166,6 +211,7 @@ class ChatCompletionResponse(_Response):
     usage: Usage
     prompt_token_ids: list[int] | None = None
     session_id: str | None = None
+    session_restarted: bool | None = None
 
 
 class DeltaMessage(_Response):
@@ -228,3 +274,45 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+# -- /tokenize, /detokenize, /version (vLLM's shapes) -----------------------------------------
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class SessionDeleted(_Response):
+    id: str
+    object: Literal["session.deleted"] = "session.deleted"
+    deleted: bool

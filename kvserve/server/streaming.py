@@ -23,9 +23,18 @@ def sse(obj: BaseModel) -> bytes:
     return b"data: " + obj.model_dump_json(exclude_none=True).encode() + b"\n\n"
 
 
-def error_event(status: int, message: str) -> bytes:
+def error_event(status: int, message: str, code: str | None = None) -> bytes:
     """An error after the stream has started (the status line is already sent)."""
-    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n" + DONE
+    return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n" + DONE
+
+
+def failure_of(out: RequestOutput) -> str | None:
+    """Why the engine failed this request (a sample finished with reason "error"), or None.
+    The engine's other requests go on; this one gets a 500 (or an error event)."""
+    if not any(c.finish_reason == "error" for c in out.outputs):
+        return None
+    why = getattr(out, "error", None)
+    return f"the request failed in the engine: {why}" if why else "the request failed in the engine"
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

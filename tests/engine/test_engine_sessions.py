@@ -87,3 +87,21 @@ def test_aborted_turn_leaves_history_unchanged(llm):
     session = llm.engine.kv.sessions.get("a")
     assert session.token_ids == before and not session.busy
     llm.engine.kv.check()
+
+
+def test_continuing_a_session_under_another_salt_reuses_none_of_its_kv(llm):
+    first = llm.generate({"prompt_token_ids": TURNS[0]}, GREEDY, session_id="salted", cache_salt="tenant-a")[0]
+    history = a_history = first.prompt_token_ids + first.outputs[0].token_ids
+    other = llm.generate({"prompt_token_ids": TURNS[1]}, GREEDY, session_id="salted", cache_salt="tenant-b")[0]
+    assert other.prompt_token_ids == history + TURNS[1]
+    assert other.num_cached_tokens == 0  # neither the session's blocks nor tenant a's prefix cache
+    llm.engine.kv.check()
+    history = other.prompt_token_ids + other.outputs[0].token_ids
+    same = llm.generate({"prompt_token_ids": TURNS[2]}, GREEDY, session_id="salted", cache_salt="tenant-b")[0]
+    assert same.num_cached_tokens == len(history) - 1  # tenant b's own previous turn is reused
+    back = llm.generate({"prompt_token_ids": TURNS[3]}, GREEDY, session_id="salted", cache_salt="tenant-a")[0]
+    # only tenant a's full blocks of its first turn (its computed tokens), from its own salted prefix cache
+    assert back.num_cached_tokens == (len(a_history) - 1) // 4 * 4 == 8
+    assert llm.close_session("salted")
+    llm.engine.kv.check()
+    assert llm.engine.kv.usage().used == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import BlockSource, KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -127,3 +127,87 @@ def test_prefix_caching_off_never_hits():
     finish(kv, a)
     assert kv.get_computed_blocks(make_req("b", list(range(9)))).num_tokens == 0
     assert kv.usage().cached_free == 0
+
+
+def test_every_completed_block_is_cached_exactly_when_it_fills():
+    """After ``k`` computed tokens exactly ``k // block_size`` blocks are findable, including when
+    ``k`` is a multiple of the block size (the block just filled)."""
+    bs = 4
+    tokens = list(range(1, 14))
+    for k in range(1, len(tokens) + 1):
+        kv = KVCacheManager(num_blocks=8, block_size=bs)
+        a = make_req("a", tokens)
+        assert kv.allocate_slots(a, k)
+        a.num_computed_tokens = k
+        kv.cache_blocks(a)
+        kv.check()
+        table = kv.block_table("a")
+        finish(kv, a)
+        assert kv.usage().cached_free == k // bs, k
+        probe = make_req("p", tokens + [99])
+        hit = kv.get_computed_blocks(probe)
+        assert hit.blocks == tuple(table[:k // bs]) and hit.num_tokens == k // bs * bs, k
+
+
+def test_prompt_of_whole_blocks_is_fully_reusable_by_a_longer_one():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_req("a", list(range(8)))  # exactly two blocks
+    run_prefill(kv, a)
+    finish(kv, a)
+    b = make_req("b", list(range(8)) + [50, 51, 52])
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 8 and hit.source == BlockSource.PREFIX
+
+
+def test_reset_prefix_cache_drops_hits_and_keeps_blocks_of_running_requests():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_req("a", list(range(9)))
+    run_prefill(kv, a)
+    finish(kv, a)
+    assert kv.get_computed_blocks(make_req("x", list(range(9)))).num_tokens == 8
+    assert kv.reset_prefix_cache() == 2
+    kv.check()
+    assert kv.get_computed_blocks(make_req("y", list(range(9)))).num_tokens == 0
+    assert kv.usage().cached_free == 0 and kv.usage().used == 0
+
+
+def _turn(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None) -> Request:
+    """One session turn through the manager: begin, take the computed prefix, prefill, finish."""
+    kv.begin_turn("s")
+    req = Request(rid, list(tokens), SamplingParams(max_tokens=4), cache_salt=salt, session_id="s")
+    computed = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req)
+    kv.check()
+    finish(kv, req)
+    return req
+
+
+def test_session_blocks_are_not_reused_across_salts():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = list(range(1, 11))
+    _turn(kv, "t1", first, salt="tenant-a")
+    assert kv.sessions.get("s").resident
+    nxt = first + [20, 21]
+    other = Request("t2", nxt, SamplingParams(max_tokens=4), cache_salt="tenant-b", session_id="s")
+    hit = kv.get_computed_blocks(other)
+    assert hit.num_tokens == 0 and hit.blocks == ()  # neither the session's blocks nor tenant a's cache
+    unsalted = Request("t3", nxt, SamplingParams(max_tokens=4), session_id="s")
+    assert kv.get_computed_blocks(unsalted).num_tokens == 0
+    same = Request("t4", nxt, SamplingParams(max_tokens=4), cache_salt="tenant-a", session_id="s")
+    hit = kv.get_computed_blocks(same)
+    assert hit.source == BlockSource.SESSION and hit.num_tokens == 10
+
+
+def test_a_turn_with_another_salt_leaks_nothing_and_parks_its_own_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    _turn(kv, "t1", list(range(1, 11)), salt="tenant-a")
+    _turn(kv, "t2", list(range(1, 13)), salt="tenant-b")  # recomputed, not taken from the session
+    session = kv.sessions.get("s")
+    assert session.num_computed == 12 and len(session.blocks) == 3
+    nxt = Request("t3", list(range(1, 15)), SamplingParams(max_tokens=4), cache_salt="tenant-b", session_id="s")
+    assert kv.get_computed_blocks(nxt).source == BlockSource.SESSION
+    assert kv.close_session("s")
+    kv.check()
+    assert kv.usage().used == 0

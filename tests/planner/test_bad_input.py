@@ -17,7 +17,6 @@ BAD = [
     (["--model", "llama-3-8b", "--hardware", "h1000"], "unknown hardware preset 'h1000'; did you mean"),
     (["--model", "llama-3-8b", "--hardware", "h100", "--scenario", "chat"], "unknown scenario 'chat'"),
     (["--model", "./missing/config.json"], "no such file or folder"),
-    (["--model", "llama-3-8b"], "give --hardware (a preset or cpu), --memory, or a fixed --kv-cache-memory"),
     (["--model", "llama-3-8b", "--memory", "0"], "memory size must be > 0"),
     (["--model", "llama-3-8b", "--memory", "-80GiB"], "--memory: cannot read memory size '-80GiB'"),
     (["--model", "llama-3-8b", "--kv-cache-memory", "0GiB"], "--kv-cache-memory: memory size must be > 0"),

@@ -21,6 +21,24 @@ from kvserve.planner.plan import build_plan
 from .conftest import plan_json
 
 
+def hand_bytes_per_token(kv_dtype: str, block: int) -> int:
+    """conftest's TINY_LLAMA by hand: 2 layers × 2 KV heads × (K + V bytes per head), head_dim 16."""
+    if kv_dtype in ("auto", "bf16", "fp16"):  # the model is bf16: 2 bytes per element
+        per_head = 2 * (16 * 2)
+    elif kv_dtype in ("fp8", "int8"):         # 1 byte per element + a 4-byte scale per token and head
+        per_head = 2 * (16 + 4)
+    else:                                     # int4: K 8 bytes + scales 4 × 16 / group; V 8 + 4
+        group = min(32, block)
+        per_head = (8 + 4 * 16 // group) + (8 + 4)
+    return 2 * 2 * per_head
+
+
+def hand_num_blocks(kv_dtype: str, budget: int, block: int) -> int:
+    """int4 sets 64 sequences × 3 full-precision (bf16, 256 B/token) blocks aside first."""
+    window = 64 * 3 * block * 256 if kv_dtype == "int4" else 0
+    return (budget - window) // (hand_bytes_per_token(kv_dtype, block) * block)
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "fp16", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("budget,block", [("4GiB", 16), ("1MiB", 4), ("123457", 8)])
 def test_planner_pool_equals_engine_sizing(
@@ -41,6 +59,7 @@ def test_planner_pool_equals_engine_sizing(
     except ValueError as exc:  # the engine cannot start: neither may the plan
         r = cli(*args, "--json")
         assert r.code == 2 and "window" in str(exc) and "window" in r.err
+        assert hand_num_blocks(kv_dtype, parse_size(budget), block) <= 0
         return
     d = plan_json(cli, *args)
     per_token = model_kv_bytes_per_token(engine_cfg, kv_dtype, block)  # exact for this block size
@@ -48,11 +67,24 @@ def test_planner_pool_equals_engine_sizing(
     assert d["num_blocks"] == cap.num_blocks
     assert d["token_capacity"] == cap.token_capacity
     assert d["max_concurrency_at_max_len"] == cap.max_concurrency_at_max_len
+    # and both equal figures worked out by hand, not through the shared functions
+    assert d["bytes_per_token"] == hand_bytes_per_token(kv_dtype, block)
+    assert d["num_blocks"] == hand_num_blocks(kv_dtype, parse_size(budget), block)
+    assert d["token_capacity"] == d["num_blocks"] * block
+    assert d["max_concurrency_at_max_len"] == d["num_blocks"] / (512 // block)
+
+
+def test_hand_figures_for_the_tiny_model() -> None:
+    """The hand arithmetic above, spelt out for a few cases a reader can check on paper."""
+    assert hand_bytes_per_token("auto", 16) == 256 and hand_bytes_per_token("int8", 4) == 160
+    assert [hand_bytes_per_token("int4", b) for b in (4, 8, 16, 32)] == [144, 112, 96, 88]
+    assert hand_num_blocks("auto", 4 * 2**30, 16) == 2**20
+    assert hand_num_blocks("int4", 2**20, 4) == (2**20 - 196_608) // 576 == 1479
 
 
 def test_transformers_written_config_agrees(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
     """A config.json as transformers 5 writes it (``rope_parameters``, ``dtype``); head_dim ≠ hidden/heads."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.Qwen3Config(
         hidden_size=64,
         intermediate_size=96,
@@ -74,6 +106,7 @@ def test_transformers_written_config_agrees(tmp_path: Path, cli) -> None:  # typ
         cap.num_blocks,
         cap.token_capacity,
     )
+    assert d["num_blocks"] == 64 * 2**20 // (432 * 16) == 9709  # by hand: 432 B/token, blocks of 16
 
 
 def test_ledger_from_hardware(cli) -> None:  # type: ignore[no-untyped-def]

@@ -50,6 +50,9 @@ def test_write_config_round_trip(cli, tiny_ckpt: Path, tmp_path: Path) -> None: 
         e.scheduler.max_model_len or 512,
     )
     assert (cap.num_blocks, cap.token_capacity) == (d["num_blocks"], d["token_capacity"])
+    # by hand: int8 on the tiny model is 2 × 2 layers × 2 KV heads × (16 + 4) = 160 B/token, no window
+    assert d["num_blocks"] == e.cache.kv_cache_memory // (160 * 16)
+    assert d["token_capacity"] == d["num_blocks"] * 16
     assert load_engine_config(out) == e
 
 
@@ -127,10 +130,12 @@ def test_size_strings_and_missing_file(tmp_path: Path) -> None:
 
 def test_engine_sizes_the_written_config_as_planned(cli, tiny_ckpt: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """plan → --write-config → load_engine_config → the engine's own pool sizing: same blocks."""
-    memory = pytest.importorskip("kvserve.engine.memory")
     import torch
 
+    from kvserve.engine import memory
     from kvserve.kv.layout import resolve_kv_dtype
+
+    hand_bpt = {"auto": 256, "int8": 160, "int4": 96}  # 2 × 2 layers × 2 KV heads × bytes per head, blocks of 16
 
     for kv in ("auto", "int8", "int4"):
         out = tmp_path / f"{kv}.json"
@@ -152,3 +157,6 @@ def test_engine_sizes_the_written_config_as_planned(cli, tiny_ckpt: Path, tmp_pa
             d["token_capacity"],
             d["bytes_per_token"],
         )
+        assert e.cache.block_size == 16 and d["bytes_per_token"] == hand_bpt[kv]
+        window = e.scheduler.max_num_seqs * 3 * 16 * 256 if kv == "int4" else 0  # int4: 3 bf16 blocks a sequence
+        assert d["num_blocks"] == (e.cache.kv_cache_memory - window) // (hand_bpt[kv] * 16)

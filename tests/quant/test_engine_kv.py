@@ -66,7 +66,15 @@ def test_engine_bytes_equal_storage_and_capacity_grows(tiny: Path, kv: str) -> N
         assert cap.window_blocks == 4 * 3
     else:
         assert cap.window_blocks == 0
-    assert cap.summary() in llm.engine.capacity.summary()
+    # by hand: 2 layers × 2 KV heads × (K + V bytes per token and head), head_dim 16, blocks of 4
+    # (int8/fp8: 16 + a 4-byte scale; int4 K: 8 + 4 × 16 / 4 group scales; int4 V: 8 + 4)
+    hand = {"int8": 2 * 2 * (20 + 20), "fp8": 2 * 2 * (20 + 20), "int4": 2 * 2 * (24 + 12),
+            "k:int8,v:int4": 2 * 2 * (20 + 12)}[kv]
+    assert cap.bytes_per_token == hand
+    assert ref.engine.capacity.bytes_per_token == 2 * 2 * 2 * 16 * 4  # the fp32 pool: 512
+    summary = cap.summary()
+    assert f"{cap.num_blocks} blocks × 4 tokens = {cap.num_blocks * 4} tokens, {hand} bytes/token" in summary
+    assert ("full-precision window of" in summary) == (cap.window_blocks > 0)
 
 
 def test_unknown_codec_is_rejected_with_the_valid_list(tiny: Path) -> None:
@@ -84,16 +92,30 @@ def test_unknown_codec_is_rejected_with_the_valid_list(tiny: Path) -> None:
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
+def logprobs(llm: LLM) -> list[list[float]]:
+    """The chosen token's log-probability at every step of every prompt (greedy)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+
 def test_full_precision_below_the_threshold_equals_float_kv(tiny: Path) -> None:
     """kv_quant_min_tokens above every sequence: int8 storage, but every read is full precision,
-    so the tokens equal the float engine's exactly; from 0, int8 reads are used."""
-    ref = tokens(make(tiny, "auto"))
+    so the tokens and log-probabilities equal the float engine's exactly; from 0, int8 reads are
+    used, which moves the log-probabilities."""
+    float_kv = make(tiny, "auto")
+    ref = tokens(float_kv)
     lazy = make(tiny, "int8", kv_quant_min_tokens=64)
     assert tokens(lazy) == ref
+    ref_lp = logprobs(float_kv)
+    assert logprobs(lazy) == ref_lp  # bit for bit: nothing was read in int8
     assert_no_leaks(lazy)
     eager = make(tiny, "int8")
     assert eager.engine.capacity.window_blocks == 0
-    assert tokens(eager) is not None
+    eager_lp = logprobs(eager)
+    drift = max(abs(a - b) for xs, ys in zip(eager_lp, ref_lp) for a, b in zip(xs, ys))
+    assert 1e-5 < drift < 0.5, drift  # int8 reads: close to float, but not equal
+    assert_no_leaks(eager)
 
 
 def test_mixed_codecs_in_one_batch_equal_their_own_engines(tiny: Path) -> None:
@@ -137,11 +159,11 @@ def test_prefix_hits_read_fully_encoded_blocks(tiny: Path, kv: str) -> None:
     cached = make(tiny, kv, kv_quant_sink_tokens=2 if kv == "int4" else 0)
     long = [list(range(100, 123))]
     a = tokens(cached, long)
-    b = tokens(cached, long)
     uncached = make(tiny, kv, enable_prefix_caching=False, kv_quant_sink_tokens=2 if kv == "int4" else 0)
-    assert a == tokens(uncached, long)
-    assert b[0][:4] == a[0][:4]  # same prefix, same codec; sinks are re-read from the cache (int4)
-    assert cached.engine.stats().prefix_hits >= 20
+    hits_before = cached.engine.stats().prefix_hits
+    b = tokens(cached, long)
+    assert cached.engine.stats().prefix_hits - hits_before == 20  # the second run hit five full blocks
+    assert b == a == tokens(uncached, long)  # the run that hit equals the run that computed everything
     assert_no_leaks(cached)
 
 

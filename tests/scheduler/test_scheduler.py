@@ -26,9 +26,11 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def run(prompts: list[list[int]], max_tokens: list[int], num_blocks: int, block_size: int = 4,
-        budget: int = 16, max_seqs: int = 8, prefix: bool = True, max_model_len: int = 256):
+        budget: int = 16, max_seqs: int = 8, prefix: bool = True, max_model_len: int = 256,
+        chunked: bool = True):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=chunked), kv, max_model_len)
     runner = FakeRunner(block_size)
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0)) for i, (p, m) in
             enumerate(zip(prompts, max_tokens))]
@@ -40,13 +42,32 @@ def run(prompts: list[list[int]], max_tokens: list[int], num_blocks: int, block_
         plan = sched.schedule()
         kv.check()
         assert plan.num_batched_tokens <= budget
-        assert len({c.request.request_id for c in plan.chunks}) == len(plan.chunks) <= max_seqs
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks) <= max_seqs
         sched.update(plan, runner.execute(plan))
         kv.check()
+        assert_exact_tables(kv, reqs)
     else:
         pytest.fail("scheduler did not finish: livelock")
     assert kv.usage().used == 0, "blocks leaked"
     return reqs, sched, runner
+
+
+def assert_exact_tables(kv: KVCacheManager, reqs: list[Request]) -> None:
+    """A running request holds exactly the blocks its computed tokens need; any other holds none
+    (a preempted request gave everything back and recomputes from token 0)."""
+    for r in reqs:
+        table = kv.block_table(r.request_id)
+        if r.status == RequestStatus.RUNNING:
+            assert len(table) == kv.blocks_needed(r.num_computed_tokens), (r.request_id, r.num_computed_tokens, table)
+        else:
+            assert table == [], (r.request_id, r.status, table)
+
+
+def drive(sched: Scheduler, runner: FakeRunner, steps: int) -> None:
+    for _ in range(steps):
+        plan = sched.schedule()
+        sched.update(plan, runner.execute(plan))
+        sched.kv.check()
 
 
 def test_batch_matches_each_request_alone():
@@ -131,14 +152,118 @@ def test_finish_request_returns_blocks_while_running_or_waiting():
     max_seqs=st.integers(min_value=1, max_value=6),
     prefix=st.booleans(),
     block_size=st.sampled_from([1, 2, 4]),
+    chunked=st.booleans(),
 )
 def test_any_workload_finishes_with_reference_tokens_and_no_leak(lens, max_tokens, num_blocks, budget,
-                                                                 max_seqs, prefix, block_size):
+                                                                 max_seqs, prefix, block_size, chunked):
     # Prompts share prefixes (so hits happen) and every request fits the pool on its own.
     prompts = [[(j * 7) % 13 for j in range(n)] for n in lens]
     if max(lens) + max_tokens > num_blocks * block_size:
         num_blocks = -(-(max(lens) + max_tokens) // block_size)
+    if not chunked:  # unchunked, every request must be computable in one step (admission says so)
+        budget = max(budget, max(lens) + max_tokens)
     reqs, _, _ = run(prompts, [max_tokens] * len(prompts), num_blocks=num_blocks, block_size=block_size,
-                     budget=budget, max_seqs=max_seqs, prefix=prefix)
+                     budget=budget, max_seqs=max_seqs, prefix=prefix, chunked=chunked)
     for r, p in zip(reqs, prompts):
         assert r.output_token_ids == reference(p, max_tokens)
+
+
+def test_preempted_request_recomputes_from_zero_in_a_pool_that_fits_one():
+    """Five blocks of 4 hold one 7 + 12 token request, not two: the newer one is preempted, and
+    re-admitted with a table sized for its tokens alone (a stale computed count would ask for more
+    blocks than the pool has and wait forever)."""
+    prompts = [list(range(1, 8)), list(range(30, 37))]
+    for prefix in (True, False):
+        reqs, sched, _ = run(prompts, [12, 12], num_blocks=5, prefix=prefix, budget=32)
+        assert sched.num_preemptions > 0
+        assert any(r.num_preemptions > 0 for r in reqs)
+        for r, p in zip(reqs, prompts):
+            assert r.output_token_ids == reference(p, 12)
+
+
+def test_preemption_gives_back_every_block_and_the_computed_count():
+    kv = KVCacheManager(5, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, max_model_len=64)
+    runner = FakeRunner(4)
+    old, new = (Request(rid, list(range(k, k + 7)), SamplingParams(max_tokens=12)) for rid, k in (("a", 1), ("b", 30)))
+    sched.add_request(old)
+    sched.add_request(new)
+    for _ in range(100):
+        plan = sched.schedule()
+        if plan.preempted:
+            break
+        sched.update(plan, runner.execute(plan))
+    else:
+        pytest.fail("the pool never ran short")
+    assert plan.preempted == ["b"] and new.status == RequestStatus.PREEMPTED
+    assert new.num_computed_tokens == 0 and kv.block_table("b") == []
+    assert len(new.output_token_ids) > 0  # its tokens so far are kept, to be recomputed
+    kv.check()
+
+
+def test_aborting_a_queued_session_turn_ends_the_turn_and_lets_the_session_expire():
+    now = [0.0]
+    kv = KVCacheManager(32, 4, session_idle_timeout_s=10.0, clock=lambda: now[0])
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1), kv, max_model_len=64, clock=lambda: now[0])
+    runner = FakeRunner(4)
+    kv.begin_turn("s")
+    first = Request("t1", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2), session_id="s")
+    sched.add_request(first)
+    drive(sched, runner, 5)
+    session = kv.sessions.get("s")
+    assert first.status.finished and session.resident and not session.busy
+    blocker = Request("blocker", [40, 41, 42], SamplingParams(max_tokens=30))
+    sched.add_request(blocker)
+    drive(sched, runner, 2)
+    kv.begin_turn("s")
+    second = Request("t2", first.all_token_ids + [7, 8], SamplingParams(max_tokens=2), session_id="s")
+    sched.add_request(second)
+    drive(sched, runner, 2)
+    assert second.status == RequestStatus.WAITING  # max_num_seqs=1: the blocker runs
+    sched.finish_request("t2", RequestStatus.FINISHED_ABORTED)
+    kv.check()
+    assert not session.busy and session.resident  # the turn ended; the history's KV stays parked
+    assert sched.num_waiting == 0
+    sched.finish_request("blocker", RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished
+    now[0] += 11.0  # past the idle timeout: a free session is released at the next step
+    sched.schedule()
+    kv.check()
+    assert not session.resident and kv.usage().used == 0
+    kv.begin_turn("s")  # and it can serve a new turn
+
+
+def test_aborting_a_preempted_waiting_request_leaves_nothing_behind():
+    kv = KVCacheManager(5, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, max_model_len=64)
+    runner = FakeRunner(4)
+    sched.add_request(Request("a", list(range(1, 8)), SamplingParams(max_tokens=12)))
+    sched.add_request(Request("b", list(range(30, 37)), SamplingParams(max_tokens=12)))
+    while not sched.num_preemptions:
+        drive(sched, runner, 1)
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert sched.num_waiting == 0 and "b" not in sched.requests
+    drive(sched, runner, 30)
+    assert not sched.has_unfinished and kv.usage().used == 0
+
+
+def test_unchunked_prefill_rejects_what_cannot_run_in_one_step():
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False), kv, 256)
+    with pytest.raises(ValueError, match=r"prompt \(20 tokens\).*max_num_batched_tokens \(16\).*chunked prefill"):
+        sched.add_request(Request("long", list(range(20)), SamplingParams(max_tokens=4)))
+    # the prompt fits but a recompute after preemption (prompt + generated) would not
+    with pytest.raises(ValueError, match=r"= 18 exceeds max_num_batched_tokens \(16\)"):
+        sched.add_request(Request("grows", list(range(14)), SamplingParams(max_tokens=4)))
+    assert not sched.has_unfinished
+    chunked = Scheduler(SchedulerConfig(max_num_batched_tokens=16), KVCacheManager(64, 4), 256)
+    chunked.add_request(Request("long", list(range(20)), SamplingParams(max_tokens=4)))  # chunks: fine
+
+
+def test_unchunked_prefill_with_preemption_finishes():
+    prompts = [list(range(i * 20, i * 20 + 6)) for i in range(4)]
+    for prefix in (True, False):
+        reqs, sched, _ = run(prompts, [10] * 4, num_blocks=9, budget=16, prefix=prefix, chunked=False)
+        assert sched.num_preemptions > 0
+        for r, p in zip(reqs, prompts):
+            assert r.output_token_ids == reference(p, 10)

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, FinishedRequest, take_snapshot
+from kvserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, FinishedRequest
 from kvserve.engine.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
-from tests.server.conftest import engine_config
+from tests.server.conftest import BLOCK_SIZE, engine_config
+from tests.step_gate import StepGate
 
 
 class Recorder:
@@ -104,27 +105,83 @@ def test_cancelled_consumer_aborts_and_blocks_come_back(aengine):
 
 
 def test_snapshot_counts_tokens_held_once_per_shared_block(aengine, llm):
-    snap = aengine.call_blocking(take_snapshot)
-    assert snap.tokens_held <= snap.slots_in_used_blocks == snap.blocks_used * snap.block_size
-    assert snap.fragmentation_ratio == (0.0 if not snap.blocks_used else 1 - snap.tokens_held / snap.slots_in_used_blocks)
+    """Three samples of a 10-token prompt (blocks of 4): the two full prompt blocks are shared and
+    counted once; everything past token 8 is each sample's own (the partial block is copied on
+    write). The engine is held between steps while the snapshot is read."""
+    assert BLOCK_SIZE == 4
+    prompt = list(range(700, 710))
+
+    def computed(e: LLMEngine) -> dict[str, int]:
+        return {r.request_id: r.num_computed_tokens for r in e.scheduler.running}
+
+    done: list = []
+
+    async def main():
+        with StepGate(llm) as gate:
+            stream = await aengine.add_request(prompt, SamplingParams(n=3, max_tokens=50, temperature=1.0, seed=1,
+                                                                      ignore_eos=True), on_done=done.append)
+            for _ in range(40):  # one step at a time until every sample is past its prompt
+                gate.allow(1)
+                await asyncio.to_thread(gate.wait_steps, gate.steps_taken + 1)
+                counts = await aengine.call(computed)
+                if len(counts) == 3 and min(counts.values()) > len(prompt):
+                    break
+            else:
+                pytest.fail(f"the samples did not all decode: {counts}")
+            snap = await aengine.snapshot()
+            again = await aengine.call(computed)
+        stream.abort()
+        await wait_for(lambda: bool(done))  # the abort's last output reaches this loop before it closes
+        return counts, again, snap
+
+    counts, again, snap = asyncio.run(main())
+    assert again == counts  # nothing moved while the gate was closed
+    assert snap.num_running == 3 and snap.blocks_pinned == 0
+    own = [c - 8 for c in counts.values()]  # tokens past the two shared blocks, per sample
+    assert snap.tokens_held == 8 + sum(own)
+    assert snap.blocks_used == 2 + sum(-(-t // 4) for t in own)
+    assert snap.slots_in_used_blocks == 4 * snap.blocks_used
+    assert snap.tokens_held < snap.slots_in_used_blocks  # the partial tail blocks
+    assert snap.fragmentation_ratio == pytest.approx(1 - snap.tokens_held / (4 * snap.blocks_used))
+    assert [c.finish_reason for c in done[0].outputs] == ["abort"] * 3
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def test_idle_sessions_expire_without_traffic(tiny_model):
+    """The sessions' clock is the test's: the session outlives idle ticks until the test moves the
+    clock past the timeout, then the next idle tick (no request in flight) releases it."""
     cfg = engine_config(tiny_model)
-    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, session_idle_timeout_s=0.3))
-    ae = AsyncLLMEngine(LLMEngine(cfg), idle_tick_s=0.05)
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, session_idle_timeout_s=30.0))
+    llm = LLMEngine(cfg)
+    clock = FakeClock()
+    llm.kv.sessions.clock = clock
+    ae = AsyncLLMEngine(llm, idle_tick_s=0.05)
     ae.start()
     try:
         async def main():
-            stream = await ae.add_request([4, 5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0),
-                                          session_id="idle")
-            await stream.result()
-            pinned = (await ae.snapshot()).blocks_pinned
-            await asyncio.sleep(0.8)  # no requests: only the engine thread's idle ticks run
-            return pinned, await ae.snapshot(), await ae.list_sessions()
+            with StepGate(llm) as gate:
+                gate.open()
+                stream = await ae.add_request([4, 5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0),
+                                              session_id="idle")
+                await stream.result()
+                before = await ae.snapshot()
+                ticks = gate.steps_taken
+                await asyncio.to_thread(gate.wait_steps, ticks + 3)  # three idle ticks, no traffic
+                kept = await ae.snapshot()
+                clock.t += 31.0
+                await asyncio.to_thread(gate.wait_steps, gate.steps_taken + 2)
+                return before, kept, await ae.snapshot(), await ae.list_sessions()
 
-        pinned, snap, sessions = asyncio.run(main())
-        assert pinned > 0
+        before, kept, snap, sessions = asyncio.run(main())
+        assert before.blocks_pinned > 0 and kept.blocks_pinned == before.blocks_pinned  # not yet idle long enough
+        assert kept.sessions_expired == 0
         assert snap.blocks_pinned == 0 and snap.sessions_expired == 1 and snap.blocks_used == 0
         assert [(s.session_id, s.resident) for s in sessions] == [("idle", False)]  # history kept, KV released
     finally:

@@ -14,7 +14,6 @@ from kvserve.model.loader import load_tokenizer
 from kvserve.request import CompletionOutput, RequestOutput
 from kvserve.server.cli import build_engine_config
 from kvserve.server.config import ServerConfig
-from kvserve.server.errors import APIError
 from kvserve.server.sessions import ChatSessions
 from kvserve.server.streaming import Deltas
 from kvserve.server.timeline import percentile
@@ -50,9 +49,16 @@ def template(tok, messages) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def finish(sessions, sid, prompt_ids, reply_ids, text):
+def turn(sessions: ChatSessions, sid: str, messages: list, engine_tokens: int | None) -> tuple[list[int], int]:
+    """Plan a chat turn and commit it as the engine accepted it: (the ids sent, the version)."""
+    plan = sessions.plan(sid, messages, engine_tokens)
+    return plan.ids, sessions.commit(sid, plan)
+
+
+def finish(sessions, sid, version, prompt_ids, reply_ids, text):
+    """The engine finished the turn; returns the engine session's length (prompt + reply)."""
     final = RequestOutput("r", None, prompt_ids, [out(text, reply_ids, "stop")], True)
-    sessions.end_turn(sid, final)
+    sessions.end_turn(sid, version, final)
     return len(prompt_ids) + len(reply_ids)
 
 
@@ -64,30 +70,40 @@ def test_chat_session_sends_only_new_tokens_whichever_way_the_client_sends_histo
     history_text = None
     for resend_all in (False, True):
         s = ChatSessions(tokenizer)
-        ids1 = s.begin_turn("s", [u1], None)
+        ids1, v1 = turn(s, "s", [u1], None)
         assert tokenizer.decode(ids1, skip_special_tokens=False) == template(tokenizer, [u1])
-        n = finish(s, "s", ids1, reply_ids, "an answer")
-        ids2 = s.begin_turn("s", [u1, reply, u2] if resend_all else [u2], n)
-        text = tokenizer.decode(ids1 + reply_ids + ids2, skip_special_tokens=False)
+        n = finish(s, "s", v1, ids1, reply_ids, "an answer")
+        plan = s.plan("s", [u1, reply, u2] if resend_all else [u2], n)
+        assert not plan.restart and plan.new_messages == [u2]
+        text = tokenizer.decode(ids1 + reply_ids + plan.ids, skip_special_tokens=False)
         assert text == template(tokenizer, [u1, reply, u2])  # as if the whole conversation were templated
         assert history_text in (None, text)
         history_text = text
 
 
-def test_chat_session_rules_busy_abandon_and_stale(tokenizer):
+def test_chat_session_rules_abandon_stale_and_restart(tokenizer):
     s = ChatSessions(tokenizer)
-    u = {"role": "user", "content": "hi"}
-    ids = s.begin_turn("s", [u], None)
-    with pytest.raises(APIError) as exc:
-        s.begin_turn("s", [u], None)
-    assert exc.value.status == 409
-    s.end_turn("s", None)  # aborted: forgotten, the session is free again
-    assert s.begin_turn("s", [u], 0) == ids
-    n = finish(s, "s", ids, [5, 6], "xy")
-    s.release("s")
+    u, u2 = {"role": "user", "content": "hi"}, {"role": "user", "content": "and then"}
+    ids, v = turn(s, "s", [u], None)
+    n = finish(s, "s", v, ids, [5, 6], "xy")
+    follow = s.plan("s", [u2], n)
+    assert s.plan("s", [u2], n).ids == follow.ids  # planning changes nothing
+    alone = ChatSessions(tokenizer).plan("s", [u2], None).ids  # u2 templated as a first message
+    assert follow.ids != alone  # a continuation is templated after the history
+    v2 = s.commit("s", follow)
+    s.end_turn("s", v2, None)  # aborted: the record is as before the turn
+    assert s.plan("s", [u2], n).ids == follow.ids
+    s.end_turn("s", v2, None)  # a stale version is a no-op
+    assert s.plan("s", [u2], n).ids == follow.ids
     # the engine session changed behind our back (e.g. a completions call): template afresh
-    fresh = s.begin_turn("s", [u], n + 3)
-    assert fresh == ids
+    assert s.plan("s", [u2], n + 3).ids == alone
+    # another conversation under this id (it holds an assistant turn we never gave): restart
+    other = [{"role": "user", "content": "elsewhere"}, {"role": "assistant", "content": "ok"}, u2]
+    restart = s.plan("s", other, n)
+    assert restart.restart and restart.new_messages == other
+    assert tokenizer.decode(restart.ids, skip_special_tokens=False) == template(tokenizer, other)
+    s.forget("s")
+    assert len(s) == 0
 
 
 def test_build_engine_config_reads_the_planner_file_and_flags_win(tmp_path, tiny_model):
@@ -100,7 +116,11 @@ def test_build_engine_config_reads_the_planner_file_and_flags_win(tmp_path, tiny
     assert cfg.cache.session_idle_timeout_s == 42
     over = build_engine_config(None, str(path), max_model_len=64, kv_cache_memory="1MiB", dtype="bfloat16")
     assert over.scheduler.max_model_len == 64 and over.cache.kv_cache_memory == 2**20 and over.dtype == "bfloat16"
-    assert dataclasses.replace(over, dtype="float32").cache == over.cache
+    # the flags changed only what they name; everything else still comes from the file
+    assert over.cache.block_size == 8 and over.scheduler.max_num_seqs == 8 and over.model == str(tiny_model)
+    assert over.cache.session_idle_timeout_s == 42
+    assert dataclasses.replace(over.cache, kv_cache_memory=cfg.cache.kv_cache_memory) == cfg.cache
+    assert dataclasses.replace(over.scheduler, max_model_len=cfg.scheduler.max_model_len) == cfg.scheduler
     bad = tmp_path / "bad.json"
     bad.write_text('{"model": "x", "cache": {"block_size": "big"}}')
     with pytest.raises(ValueError, match="block_size"):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvserve.tiny import data
@@ -85,8 +90,16 @@ def test_conversations_alternate_user_assistant(dataset: data.ChatDataset) -> No
 
 def test_builder_is_deterministic(dataset: data.ChatDataset) -> None:
     """The fast held-out rebuild equals the full build's held-out part, text for text."""
-    assert data.heldout_texts() == [data.render_chatml(c) for c in dataset.heldout]
-    assert data.heldout_texts() == data.heldout_texts()
+    texts = data.heldout_texts()
+    assert texts == [data.render_chatml(c) for c in dataset.heldout]
+    # another process with another str-hash salt builds the same split (a salted ``hash`` or set
+    # order in the split would differ here, where calling twice in one process could not)
+    code = ("import hashlib, sys; from kvserve.tiny import data; "
+            "sys.stdout.write(hashlib.sha256('\\0'.join(data.heldout_texts()).encode()).hexdigest())")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                           timeout=240).stdout
+    assert other == hashlib.sha256("\0".join(texts).encode()).hexdigest()
 
 
 def test_file_list_is_sorted_and_skips_tests() -> None:

@@ -34,6 +34,10 @@ class TierIndex:
             if tier in self._held:
                 self._held[tier].update(keys)
 
+    def mark(self, tier: str, keys: Iterable[bytes]) -> None:
+        """Believe ``tier`` holds ``keys`` (a remote tier this process cannot list)."""
+        self._held[tier].update(keys)
+
     def best(self, key: bytes) -> str | None:
         """The fastest tier holding ``key``."""
         return next((t for t in self.tiers if key in self._held[t]), None)
