@@ -99,11 +99,13 @@ class SampledTokens(msgspec.Struct, frozen=True):
 
 
 class TierEvent(msgspec.Struct, frozen=True):
-    """A KV tier stored or removed a block object (``kind``: ``"stored"`` | ``"removed"``)."""
+    """What a KV tier did: ``"stored"`` / ``"removed"`` a block object (``size`` bytes),
+    ``"corrupt"`` (an object failed its checksum and was deleted), ``"down"`` / ``"up"``."""
 
     kind: str
     tier: str
-    key: bytes
+    key: bytes = b""
+    size: int = 0
 
 
 class LoadResult(msgspec.Struct, frozen=True):

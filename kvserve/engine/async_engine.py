@@ -241,6 +241,10 @@ class AsyncLLMEngine:
         """Run ``fn(engine)`` on the engine thread and await its result (or exception)."""
         return await asyncio.wrap_future(self._submit(fn))
 
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread; nobody waits for it (fire and forget)."""
+        self._submit(fn)
+
     def call_blocking(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
         """``call`` for threads without an event loop (tests, benchmarks)."""
         return self._submit(fn).result(timeout_s)

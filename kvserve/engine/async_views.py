@@ -7,7 +7,7 @@ Everything here that takes an :class:`LLMEngine` must run on the engine thread
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvserve.engine.engine import LLMEngine
@@ -64,6 +64,7 @@ class EngineSnapshot:
     kv_bytes_per_token: int
     token_capacity: int
     max_model_len: int
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per KV tier: blocks, bytes, saves …
 
     @property
     def kv_usage_ratio(self) -> float:
@@ -96,7 +97,20 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         sessions_active=st.sessions_active, sessions_expired=st.sessions_expired,
         sessions_evicted=st.sessions_evicted, kv_bytes_per_token=cap.bytes_per_token,
         token_capacity=cap.token_capacity, max_model_len=engine.max_model_len,
+        tiers=tier_stats(engine),
     )
+
+
+def tier_stats(engine: LLMEngine) -> dict[str, dict[str, float]]:
+    """Per configured KV tier: blocks and bytes held, saves, loads, load time, checksum failures, up."""
+    index = engine.kv.tiers.index
+    out: dict[str, dict[str, float]] = {}
+    for tier in index.tiers:
+        c = index.counters[tier]
+        out[tier] = {"blocks": index.count(tier), "bytes": c.bytes, "saves": c.saves, "removed": c.removed,
+                     "loads": c.loads, "load_seconds": c.load_seconds, "checksum_failures": c.checksum_failures,
+                     "up": 1.0 if c.up else 0.0}
+    return out
 
 
 @dataclass(frozen=True)
@@ -107,10 +121,12 @@ class SessionInfo:
     pinned_blocks: int
     busy: bool          # a turn is in flight
     idle_s: float       # seconds since its last turn
+    meta: dict[str, Any] | None = None  # the front end's persisted record (a chat transcript)
 
 
 def _info(s: Any, now: float) -> SessionInfo:
-    return SessionInfo(s.session_id, s.num_tokens, s.resident, len(s.blocks), s.busy, max(0.0, now - s.last_used))
+    return SessionInfo(s.session_id, s.num_tokens, s.resident, len(s.blocks), s.busy, max(0.0, now - s.last_used),
+                       s.meta or None)
 
 
 def session_infos(engine: LLMEngine, now: float | None = None, prefix: str | None = None) -> list[SessionInfo]:

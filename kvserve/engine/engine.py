@@ -216,6 +216,14 @@ class LLMEngine:
         self.kv.drop_oldest_turns(session, cut)
         return list(session.token_ids)
 
+    def set_session_meta(self, session_id: str, meta: dict[str, Any]) -> bool:
+        """Attach the front end's record to a session (persisted with it). False if it is gone."""
+        session = self.kv.sessions.get(session_id)
+        if session is None:
+            return False
+        self.kv.sessions.set_meta(session, meta)
+        return True
+
     def list_sessions(self) -> list[Session]:
         return self.kv.sessions.all()
 

@@ -26,7 +26,7 @@ log = logging.getLogger("kvserve")
 
 def record_of(session: Any) -> dict[str, Any]:
     return {"session_id": session.session_id, "tenant": session.tenant, "token_ids": session.token_ids,
-            "turn_starts": session.turn_starts, "cache_salt": session.cache_salt}
+            "turn_starts": session.turn_starts, "cache_salt": session.cache_salt, "meta": session.meta}
 
 
 class SessionStore(Protocol):

@@ -41,6 +41,7 @@ class Session:
     num_computed: int = 0
     busy: bool = False
     cache_salt: str | None = None  # the salt of the turn whose KV ``blocks`` hold
+    meta: dict[str, Any] = field(default_factory=dict)  # the front end's own record (a chat transcript), persisted
     last_used: float = 0.0
     created: float = 0.0
 
@@ -90,7 +91,8 @@ class SessionTable:
                 continue
             now = self.clock()
             session = Session(sid, r.get("tenant"), list(r["token_ids"]), list(r["turn_starts"]),
-                              cache_salt=r.get("cache_salt"), last_used=now, created=now)
+                              cache_salt=r.get("cache_salt"), meta=dict(r.get("meta") or {}), last_used=now,
+                              created=now)
             self._sessions[sid] = session
             self._per_tenant.setdefault(session.tenant, OrderedDict())[sid] = None
             n += 1
@@ -183,6 +185,11 @@ class SessionTable:
         session.blocks, session.num_computed, session.busy = blocks, num_computed, False
         session.token_ids, session.cache_salt = token_ids, cache_salt
         self._touch(session)
+        self._persist(session)
+
+    def set_meta(self, session: Session, meta: dict[str, Any]) -> None:
+        """Keep (and persist) the front end's record of the session, e.g. its chat transcript."""
+        session.meta = meta
         self._persist(session)
 
     def abandon_turn(self, session: Session) -> None:

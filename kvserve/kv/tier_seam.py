@@ -84,6 +84,10 @@ class TierSeam:
             if not ok:
                 break
             assert r is not None and r.tier is not None
+            c = self.index.counters.get(r.tier)
+            if c is not None:
+                c.loads += 1
+                c.load_seconds += r.seconds
             self.pool.cache(block, h)
             loading.hit_tokens[r.tier] = loading.hit_tokens.get(r.tier, 0) + self.block_size
             loading.load_seconds += r.seconds

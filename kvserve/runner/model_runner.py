@@ -184,7 +184,7 @@ class ModelRunner:
         hidden, _ = self._forward(out.chunks)
         return self.model.compute_logits(hidden)
 
-    def tier_snapshot(self) -> dict[str, list[bytes]]:
+    def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local KV tier holds (the disk tier's index rebuilt at start-up)."""
         return self.tiers.snapshot() if self.tiers else {}
 

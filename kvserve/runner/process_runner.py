@@ -119,7 +119,7 @@ class ProcessRunner:
         self.poll_s = poll_s
         self.kv_bytes, self._snapshot = pickle.loads(self._receive(b"R"))
 
-    def tier_snapshot(self) -> dict[str, list[bytes]]:
+    def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local tier held when the child started (its index, rebuilt from disk)."""
         return self._snapshot
 

@@ -23,7 +23,7 @@ class Runner(Protocol):
         """Teacher-forced logits ``[T, vocab]`` of every scheduled token."""
         ...
 
-    def tier_snapshot(self) -> dict[str, list[bytes]]:
+    def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local KV tier holds (at start-up: the disk tier's rebuilt index)."""
         ...
 

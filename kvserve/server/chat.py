@@ -145,7 +145,9 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
                 raise APIError(409, f"session {sid!r} is already serving a turn; wait for it to finish",
                                param="session_id", code="session_busy")
             have = known.num_tokens if known is not None else None
-            plan = await state.tokenizers.run(lambda tok, have=have: sessions.plan(esid, messages, have, tok))
+            meta = known.meta if known is not None else None
+            plan = await state.tokenizers.run(
+                lambda tok, have=have, meta=meta: sessions.plan(esid, messages, have, tok, meta))
             history = 0 if plan.restart or have is None else have
             mt = max_tokens if max_tokens is not None else default_chat_max_tokens(history + len(plan.ids),
                                                                                     state.max_model_len)
@@ -156,7 +158,7 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
                     kv_cache_dtype=req.kv_cache_dtype, session_overflow=overflow, tenant=tenant,
                     check_session=True,
                     restart_session=plan.restart, expect_session_tokens=have,
-                    on_done=lambda out, v=version: sessions.end_turn(esid, v, out))  # type: ignore[misc]
+                    on_done=lambda out, v=version: _end_turn(state, esid, v, out))  # type: ignore[misc]
             except SessionChangedError:
                 sessions.end_turn(esid, version, None)
                 if attempt == 2:
@@ -220,3 +222,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
         yield error_event(503, str(exc))
     finally:
         stream.abort()
+
+
+def _end_turn(state: Any, esid: str, version: int, out: Any) -> None:
+    """The turn ended: update the transcript and persist it with the engine's session."""
+    state.chat_sessions.end_turn(esid, version, out)
+    meta = state.chat_sessions.meta_of(esid)
+    if meta is not None:
+        state.engine.post(lambda e: e.set_session_meta(esid, meta))

@@ -64,6 +64,20 @@ ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("sessions_evicted", "Sessions whose KV was released under memory pressure.", "sessions_evicted"),
 ]
 
+# (stats key, metric name, help, kind) per KV tier
+TIER_SERIES: list[tuple[str, str, str, str]] = [
+    ("blocks", "kv_tier_blocks", "Block objects a KV tier holds.", "gauge"),
+    ("bytes", "kv_tier_bytes", "Bytes of block objects a KV tier holds.", "gauge"),
+    ("up", "kv_tier_up", "1 while a KV tier answers, 0 while it is down (requests are served without it).",
+     "gauge"),
+    ("saves", "kv_tier_saves", "Block objects written to a KV tier.", "counter"),
+    ("removed", "kv_tier_evictions", "Block objects a KV tier evicted or deleted.", "counter"),
+    ("loads", "kv_tier_loads", "Blocks loaded back into the pool from a KV tier.", "counter"),
+    ("load_seconds", "kv_tier_load_seconds", "Time spent loading blocks from a KV tier.", "counter"),
+    ("checksum_failures", "kv_tier_checksum_failures",
+     "Block objects that failed their checksum (deleted and recomputed, never served).", "counter"),
+]
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -90,6 +104,17 @@ class _EngineCollector(Collector):
                 c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
                 c.add_metric([self.model_name], float(getattr(snap, attr)))
                 yield c
+        yield from self._tiers(snap)
+
+    def _tiers(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        """Per KV tier (label ``tier``): docs/tiers.md."""
+        if not snap.tiers:
+            return
+        for key, name, doc, kind in TIER_SERIES:
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(P + name, doc, labels=["model_name", "tier"])
+            for tier, stats in snap.tiers.items():
+                fam.add_metric([self.model_name, tier], float(stats[key]))
+            yield fam
 
 
 class ServerMetrics:

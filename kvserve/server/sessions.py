@@ -46,6 +46,11 @@ class _Record:
     version: int = 0
     previous: _Record | None = None  # the record before this turn, restored if the turn is aborted
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], tokenizer: Any) -> _Record:
+        return cls(ChatTranscript(tokenizer, list(meta["messages"]), meta["seen"]), list(meta["sent"]),
+                   int(meta["expected_tokens"]))
+
 
 @dataclass
 class TurnPlan:
@@ -89,11 +94,13 @@ class ChatSessions:
                 self._locks[session_id] = (lock, users - 1)
 
     def plan(self, session_id: str, messages: list[Message], engine_tokens: int | None,
-             tokenizer: Any = None) -> TurnPlan:
+             tokenizer: Any = None, meta: dict[str, Any] | None = None) -> TurnPlan:
         """Decide and template the turn without changing anything (safe on a worker thread with
-        that thread's ``tokenizer``). ``engine_tokens``: the engine session's length (None: absent)."""
+        that thread's ``tokenizer``). ``engine_tokens``: the engine session's length (None: absent);
+        ``meta``: the record persisted with the engine's session (:meth:`meta_of`), used when this
+        process has none (a restart, or another instance)."""
         tok = tokenizer or self.tokenizer
-        rec = self._records.get(session_id)
+        rec = self._records.get(session_id) or (_Record.from_meta(meta, self.tokenizer) if meta else None)
         trusted = rec is not None and engine_tokens is not None and rec.expected_tokens == engine_tokens
         seen: list[Message] = list(rec.sent) if trusted and rec is not None else []
         restart = False
@@ -139,6 +146,15 @@ class ChatSessions:
         rec.sent.append({"role": "assistant", "content": reply.text})
         rec.expected_tokens = len(final.prompt_token_ids) + len(reply.token_ids)  # type: ignore[union-attr]
         rec.version += 1
+
+    def meta_of(self, session_id: str) -> dict[str, Any] | None:
+        """The record as plain data, persisted with the engine's session so a restarted server
+        (or another instance) continues the chat with the same templating."""
+        rec = self._records.get(session_id)
+        if rec is None:
+            return None
+        return {"sent": rec.sent, "messages": rec.transcript.messages, "seen": rec.transcript.seen,
+                "expected_tokens": rec.expected_tokens}
 
     def forget(self, session_id: str) -> None:
         self._records.pop(session_id, None)

@@ -43,6 +43,9 @@ def test_the_index_follows_the_tiers_exactly(ops: list[tuple[str, int, int]]) ->
                     assert index.best(key) == tier  # the index would have sent us to that tier first
             host.check()
             disk.check()
-            assert {t: set(keys) for t, keys in stack.snapshot().items()} == {t: index._held[t] for t in ("host", "disk")}
+            assert {t: {k for k, _ in items} for t, items in stack.snapshot().items()} == \
+                {t: index._held[t] for t in ("host", "disk")}
+            assert {t: sum(n for _, n in items) for t, items in stack.snapshot().items()} == \
+                {t: index.counters[t].bytes for t in ("host", "disk")}
         rebuilt = DiskTier(Path(d), 3000)  # a restart: the directory is the index
         assert set(rebuilt.keys()) == set(disk.keys()) and rebuilt.nbytes == disk.nbytes

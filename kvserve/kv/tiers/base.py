@@ -82,6 +82,9 @@ class LocalTier:
     def keys(self) -> Iterable[bytes]:
         return list(self._sizes)
 
+    def sized_keys(self) -> list[tuple[bytes, int]]:
+        return list(self._sizes.items())
+
     def _index(self, key: bytes, size: int) -> list[bytes]:
         """Record ``key`` (``size`` bytes) and evict until within capacity; returns evicted keys."""
         if key in self._sizes:

@@ -24,6 +24,15 @@ class TierStack:
     def __init__(self, tiers: list[Tier], root: bytes) -> None:
         self.tiers = tiers
         self.root = root
+        self._up = {t.name: True for t in tiers}
+
+    def _health(self, tier: Tier, events: list[TierEvent]) -> bool:
+        """Whether ``tier`` is up now; a change since last seen becomes an "up"/"down" event."""
+        up = tier.up
+        if up != self._up[tier.name]:
+            self._up[tier.name] = up
+            events.append(TierEvent("up" if up else "down", tier.name))
+        return up
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -32,19 +41,21 @@ class TierStack:
         data = object_format.encode(payload, root=self.root, block_hash=key, parent=parent)
         events: list[TierEvent] = []
         for tier in self.tiers:
-            if not tier.up:
+            if not self._health(tier, events):
                 continue
             evicted = tier.put(key, data)
             events += [TierEvent("removed", tier.name, k) for k in evicted if k != key]
             if key not in evicted:
-                events.append(TierEvent("stored", tier.name, key))
+                events.append(TierEvent("stored", tier.name, key, len(data)))
+            self._health(tier, events)
         return events
 
     def load(self, key: bytes) -> tuple[BlockPayload | None, str | None, list[TierEvent]]:
         events: list[TierEvent] = []
         for tier in self.tiers:
             t0 = time.perf_counter()
-            data = tier.get(key)
+            data = tier.get(key) if self._health(tier, events) else None
+            self._health(tier, events)
             if data is None:
                 continue
             try:
@@ -53,13 +64,13 @@ class TierStack:
                 log.warning("KV tier %s: corrupt block object %s deleted (%s)", tier.name, key.hex()[:12], exc)
                 tier.stats.checksum_failures += 1
                 tier.delete(key)
-                events.append(TierEvent("removed", tier.name, key))
+                events += [TierEvent("corrupt", tier.name, key), TierEvent("removed", tier.name, key)]
                 continue
             tier.stats.loads += 1
             tier.stats.load_seconds.append(time.perf_counter() - t0)
             return payload, tier.name, events
         return None, None, events
 
-    def snapshot(self) -> dict[str, list[bytes]]:
-        """What each local tier holds now (the remote tier's contents are not listed)."""
-        return {t.name: list(t.keys()) for t in self.tiers if t.name != "remote"}
+    def snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
+        """What each local tier holds now, (key, object size) (the remote tier is not listed)."""
+        return {t.name: t.sized_keys() for t in self.tiers if t.name != "remote"}  # type: ignore[attr-defined]
