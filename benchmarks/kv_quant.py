@@ -40,11 +40,11 @@ CACHE = ROOT / "benchmarks" / ".cache"
 sys.path.insert(0, str(ROOT))
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.contract import ScheduledChunk, SchedulerOutput
 from kvserve.engine.engine import LLMEngine
 from kvserve.model import attention
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.contract import ScheduledChunk, SchedulerOutput
 
 DEFAULT_CODECS = ("bf16", "fp8", "int8", "int4", "k:int8,v:int4")
 

@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/runner_overhead.json")
     args = ap.parse_args()
     model = resolve_model_path(args.model)
-    kw = dict(dtype="float32", kv_cache_memory="64MiB", num_threads=args.threads)
+    kw = {"dtype": "float32", "kv_cache_memory": "64MiB", "num_threads": args.threads}
     engines = {"inline": LLM(model, **kw), "process": LLM(model, runner="process", **kw)}
     info = cpu_info()
     print(f"CPU: {info['model']}  flags: {' '.join(info['flags'])}  threads: {args.threads}  model: {model}")

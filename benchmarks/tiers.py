@@ -7,7 +7,7 @@ the small pool every conversation's KV is evicted before its next turn. Reports 
 turn (turn 1 excluded), the ratios, and the disk tier's index rebuild time (a new engine on the
 same directory), with the CPU model and flags. Writes JSON.
 
-    python benchmarks/tiers.py [--model DIR] [--conversations 8] [--turns 4] [--json FILE]
+    python -m benchmarks.tiers [--model DIR] [--dtype bfloat16] [--conversations 8] [--turns 4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def turn_ids(conv: int, turn: int, n: int) -> list[int]:
     return [(37 * conv + 11 * turn + i) % 3000 + 100 for i in range(n)]
 
 
-def run(llm: LLM, conversations: int, turns: int, user: int, reply: int) -> list[list[float]]:
+def run(llm: LLM, conversations: int, turns: int, user: int, reply: int,
+        places: dict[str, int]) -> list[list[float]]:
+    """Median-ready TTFTs per turn; ``places`` accumulates, over turns 2+, the prompt tokens
+    reused per place (pool, host, disk) and recomputed."""
     params = SamplingParams(max_tokens=reply, temperature=0.0, ignore_eos=True)
     ttft: list[list[float]] = [[] for _ in range(turns)]
     for t in range(turns):
@@ -37,6 +40,10 @@ def run(llm: LLM, conversations: int, turns: int, user: int, reply: int) -> list
             out = llm.generate({"prompt_token_ids": turn_ids(c, t, user)}, params, session_id=f"c{c}")[0]
             assert out.metrics is not None and out.metrics.ttft is not None
             ttft[t].append(out.metrics.ttft if out.metrics.ttft > 0 else time.perf_counter() - t0)
+            if t:
+                for place, n in out.kv_hit_tokens.items():
+                    places[place] = places.get(place, 0) + n
+                places["recomputed"] = places.get("recomputed", 0) + len(out.prompt_token_ids) - out.num_cached_tokens
     return ttft
 
 
@@ -49,6 +56,7 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--small-pool-tokens", type=int, default=0, help="default: about two conversations' history")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default="benchmarks/results/tiers.json")
     args = ap.parse_args()
     model = resolve_model_path(args.model)
@@ -57,7 +65,7 @@ def main() -> None:
     history = args.turns * (args.user_tokens + args.reply_tokens)
     small = args.small_pool_tokens or 2 * history + 64
     big = args.conversations * history * 2
-    common = {"dtype": "float32", "block_size": 16, "num_threads": args.threads, "max_model_len": history + 64}
+    common = {"dtype": args.dtype, "block_size": 16, "num_threads": args.threads, "max_model_len": history + 64}
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as d:
         setups = {
@@ -67,10 +75,12 @@ def main() -> None:
         }
         for name, kw in setups.items():
             llm = LLM(model, **common, **kw)  # type: ignore[arg-type]
-            ttft = run(llm, args.conversations, args.turns, args.user_tokens, args.reply_tokens)
+            places: dict[str, int] = {}
+            ttft = run(llm, args.conversations, args.turns, args.user_tokens, args.reply_tokens, places)
             later = [x for turn in ttft[1:] for x in turn]
             results[name] = {"ttft_median_s": statistics.median(later),
-                             "ttft_per_turn_s": [statistics.median(t) for t in ttft]}  # type: ignore[dict-item]
+                             "ttft_per_turn_s": [statistics.median(t) for t in ttft],  # type: ignore[dict-item]
+                             "tokens_turns_2plus": places}  # type: ignore[dict-item]
             del llm
         t0 = time.perf_counter()
         again = LLM(model, **common, num_blocks=-(-small // 16), kv_disk_dir=d)  # type: ignore[arg-type]
@@ -82,7 +92,7 @@ def main() -> None:
     b, t, r = (results[k]["ttft_median_s"] for k in ("big", "tiers", "recompute"))
     print(f"{'setup':<10} {'median TTFT turns 2+ (s)':>26}")
     for k in ("big", "tiers", "recompute"):
-        print(f"{k:<10} {results[k]['ttft_median_s']:>26.4f}")
+        print(f"{k:<10} {results[k]['ttft_median_s']:>26.4f}   prompt tokens, turns 2+: {results[k]['tokens_turns_2plus']}")
     print(f"tiers / big = {t / b:.2f}   recompute / tiers = {r / t:.2f}")
     rs = results["restart"]
     print(f"restart: engine start {rs['engine_start_s']:.2f} s, disk index of {rs['disk_blocks']} blocks rebuilt in "

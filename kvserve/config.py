@@ -248,6 +248,9 @@ class CacheConfig:
     kv_disk_dir: str | None = None      # a directory for block objects and session records
     kv_disk_size: int = 50 * 2**30      # bytes the disk tier may hold
     kv_remote: str | None = None        # redis://HOST:PORT/DB
+    kv_tier_write: str = "through"      # or "back": a block is saved when the pool evicts it (docs/tiers.md)
+    kv_tier_eviction: str = "lru"       # or "s3fifo" (kvserve/kv/eviction): the host and disk tiers' order
+    session_demote_after_s: float = 60.0  # with tiers: an idle session's pool blocks are released (its KV stays below)
     # Lossy KV codecs (kvserve.kv.quant, docs/kv-quant.md): a sequence shorter than
     # kv_quant_min_tokens reads full-precision KV; int4 keys are grouped by kv_quant_group_size
     # tokens (None: min(32, block_size)); int4 keeps a sequence's first kv_quant_sink_tokens exact.
@@ -274,6 +277,12 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.kv_host_memory is not None and self.kv_host_memory <= 0:
             raise ValueError(f"kv_host_memory must be > 0 bytes, got {self.kv_host_memory}")
+        if self.kv_tier_write not in ("through", "back"):
+            raise ValueError(f"kv_tier_write must be through or back, got {self.kv_tier_write!r}")
+        if self.kv_tier_eviction not in ("lru", "s3fifo"):
+            raise ValueError(f"kv_tier_eviction must be lru or s3fifo, got {self.kv_tier_eviction!r}")
+        if self.session_demote_after_s <= 0:
+            raise ValueError(f"session_demote_after_s must be > 0, got {self.session_demote_after_s}")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be > 0 bytes, got {self.kv_disk_size}")
         if self.kv_remote is not None and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):

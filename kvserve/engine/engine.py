@@ -80,6 +80,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching, root_key=root,
                                  tiers=config.cache.tiers,
+                                 session_demote_after_s=config.cache.session_demote_after_s,
+                                 tier_write=config.cache.kv_tier_write,
                                  session_idle_timeout_s=config.cache.session_idle_timeout_s,
                                  session_retention_s=config.cache.session_retention_s,
                                  max_sessions_per_tenant=config.cache.max_sessions_per_tenant)

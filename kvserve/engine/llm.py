@@ -63,6 +63,9 @@ class LLM:
         kv_disk_dir: str | Path | None = None,
         kv_disk_size: str | int = "50GiB",
         kv_remote: str | None = None,
+        session_demote_after_s: float = CacheConfig.session_demote_after_s,
+        kv_tier_eviction: str = "lru",
+        kv_tier_write: str = "through",
         session_retention_s: float | None = None,
         max_sessions_per_tenant: int | None = None,
     ) -> None:
@@ -83,6 +86,9 @@ class LLM:
             kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
             kv_disk_size=parse_size(kv_disk_size),
             kv_remote=kv_remote,
+            session_demote_after_s=session_demote_after_s,
+            kv_tier_eviction=kv_tier_eviction,
+            kv_tier_write=kv_tier_write,
             session_retention_s=session_retention_s,
             max_sessions_per_tenant=max_sessions_per_tenant,
         )

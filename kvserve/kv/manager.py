@@ -90,7 +90,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  root_key: BlockHash | None = None, session_idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, session_retention_s: float | None = None,
-                 max_sessions_per_tenant: int | None = None, tiers: tuple[str, ...] = ()) -> None:
+                 max_sessions_per_tenant: int | None = None, tiers: tuple[str, ...] = (),
+                 session_demote_after_s: float | None = None, tier_write: str = "through") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -99,7 +100,9 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self.sessions = SessionTable(session_idle_timeout_s, clock, session_retention_s, max_sessions_per_tenant)
         self._ops: list[BlockOp] = []  # block operations for the next step, in order
-        self.tiers = TierSeam(self.pool, block_size, tiers)
+        self.tiers = TierSeam(self.pool, block_size, tiers, tier_write, self._ops)
+        # with tiers below the pool, an idle session's pool copy goes early: its KV stays in the tiers
+        self.session_demote_after_s = session_demote_after_s if tiers else None
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
@@ -220,7 +223,8 @@ class KVCacheManager:
     def take_block_ops(self) -> list[BlockOp]:
         """The block operations queued since the last call (copy-on-write copies today), for the
         step record; the storage runs them before the forward."""
-        ops, self._ops = self._ops, []
+        ops = list(self._ops)
+        self._ops.clear()  # in place: the tier seam queues write-back saves into the same list
         return ops
 
     @property
@@ -267,7 +271,16 @@ class KVCacheManager:
             return None
         limit = (req.num_tokens - 1) // self.block_size
         hits = self.tiers.hits(self._block_hashes(req), len(computed.blocks), limit)
-        return self.tiers.begin(computed.blocks, hits, self._ops) if hits else None
+        if not hits:
+            return None
+        held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
+        while self.pool.num_free - held_free < len(hits):  # idle sessions make room, as for a prefill
+            victim = next((s for s in self.sessions.resident() if s.session_id != req.session_id), None)
+            if victim is None:
+                break
+            self.release_session(victim, evicted=True)
+            held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
+        return self.tiers.begin(computed.blocks, hits, self._ops)
 
     def free(self, req: Request) -> None:
         """A request leaves the running set. A finished turn of a session parks its blocks in the
@@ -311,7 +324,8 @@ class KVCacheManager:
     def expire_sessions(self) -> int:
         """Release idle sessions past their timeout, forget those past retention. Returns how many
         were released."""
-        expired = self.sessions.expired()
+        demote = self.session_demote_after_s
+        expired = self.sessions.expired(None if demote is None else min(demote, self.sessions.idle_timeout_s))
         for s in expired:
             self.release_session(s, expired=True)
         for s in self.sessions.past_retention():

@@ -134,9 +134,9 @@ class SessionTable:
                 out.append(s)
         return out
 
-    def expired(self) -> list[Session]:
-        """Resident sessions with no turn in flight whose idle timeout has passed."""
-        return [s for s in self._idle_past(self.idle_timeout_s) if s.resident]
+    def expired(self, idle_s: float | None = None) -> list[Session]:
+        """Resident sessions with no turn in flight idle for ``idle_s`` (default: the idle timeout)."""
+        return [s for s in self._idle_past(self.idle_timeout_s if idle_s is None else idle_s) if s.resident]
 
     def past_retention(self) -> list[Session]:
         """Sessions whose history is to be forgotten (idle past the retention period)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvserve.contract import BlockOp, LoadBlock, LoadResult, SaveBlock, TierEvent
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.events import BlockRemoved
 from kvserve.kv.hashing import BlockHash
 from kvserve.kv.tiers.index import TierIndex
 
@@ -36,10 +37,23 @@ class Loading:
 
 
 class TierSeam:
-    def __init__(self, pool: BlockPool, block_size: int, tiers: Iterable[str] = ()) -> None:
+    """``write="through"``: a block is saved when it becomes findable in the pool. ``"back"``: when
+    the pool evicts it (its ``BlockRemoved`` event, raised while the block is handed out again, so
+    the save is queued ahead of whatever overwrites it in the same step)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, tiers: Iterable[str] = (), write: str = "through",
+                 ops: list[BlockOp] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.index = TierIndex(tiers)
+        self.write = write
+        self._ops = ops if ops is not None else []
+        if self.index and write == "back":
+            pool.subscribe(self._on_pool_event)
+
+    def _on_pool_event(self, event: object) -> None:
+        if isinstance(event, BlockRemoved) and self.index.best(event.block_hash) is None:
+            self._ops.append(SaveBlock(event.block_id, event.block_hash))
 
     def __bool__(self) -> bool:
         return bool(self.index)
@@ -50,7 +64,7 @@ class TierSeam:
     def save_op(self, block_id: int, block_hash: BlockHash, parent: BlockHash) -> SaveBlock | None:
         """Write-through: a block that just became findable in the pool goes to the tiers, unless
         the fastest tier already holds it."""
-        if not self.index or self.index.best(block_hash) is not None:
+        if not self.index or self.write != "through" or self.index.best(block_hash) is not None:
             return None
         return SaveBlock(block_id, block_hash, parent)
 

@@ -55,12 +55,12 @@ def build_tiers(spec: RunnerSpec) -> TierStack:
     c = spec.cache
     tiers: list[Any] = []
     if c.kv_host_memory is not None:
-        tiers.append(HostTier(c.kv_host_memory))
+        tiers.append(HostTier(c.kv_host_memory, c.kv_tier_eviction))
     if c.kv_disk_dir is not None:
-        tiers.append(DiskTier(c.kv_disk_dir, c.kv_disk_size))
+        tiers.append(DiskTier(c.kv_disk_dir, c.kv_disk_size, c.kv_tier_eviction))
     if c.kv_remote is not None:
         tiers.append(RemoteTier(c.kv_remote))
-    return TierStack(tiers, spec.root_key)
+    return TierStack(tiers, spec.root_key, c.kv_tier_write)
 
 
 def build_inline_runner(spec: RunnerSpec) -> Any:

@@ -69,7 +69,7 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, model_path: str = "
     """An app serving ``engine``. Its lifespan starts the engine thread and the dashboard sampler
     and, if ``own_engine``, shuts the engine down at exit."""
     tokenizer = engine.engine.tokenizer
-    state = ServerState(engine, config, model_path, ServerMetrics(config.served_model_name),
+    state = ServerState(engine, config, model_path, ServerMetrics(config.served_model_name, config.prices),
                         Timeline(config.dashboard_points), ChatSessions(tokenizer),
                         TokenizerPool(tokenizer, config.tokenizer_workers))
     engine.listeners.extend([state.metrics, state.timeline])

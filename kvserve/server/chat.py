@@ -108,7 +108,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
                           logprobs=chat_logprobs(state.tokenizer, c, 0, top_n),
                           token_ids=c.token_ids if req.return_token_ids else None) for c in final.outputs]
     resp = ChatCompletionResponse(id=rid, model=state.config.served_model_name, choices=choices,
-                                  usage=usage_of([final]), session_id=sid,
+                                  usage=usage_of([final], state.config.prices), session_id=sid,
                                   session_restarted=True if added.restarted else None,
                                   prompt_token_ids=final.prompt_token_ids if req.return_token_ids else None)
     return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
@@ -216,7 +216,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
                     token_ids=ids if req.return_token_ids else None)])
             final = out
         if include_usage and final is not None:
-            yield chunk([], usage=usage_of([final]))
+            yield chunk([], usage=usage_of([final], state.config.prices))
         yield DONE
     except EngineDeadError as exc:
         yield error_event(503, str(exc))

@@ -23,7 +23,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         session_retention_s: float | None = None,
                         max_sessions_per_tenant: int | None = None, runner: str | None = None,
                         kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
-                        kv_disk_size: str | None = None, kv_remote: str | None = None) -> EngineConfig:
+                        kv_disk_size: str | None = None, kv_remote: str | None = None,
+                        session_demote_after_s: float | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -49,6 +50,7 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
             cache_kw[name] = parse_size(size)
     for name, value in (("kv_cache_dtype", kv_cache_dtype), ("max_session_tokens", max_session_tokens),
                         ("kv_disk_dir", kv_disk_dir), ("kv_remote", kv_remote),
+                        ("session_demote_after_s", session_demote_after_s),
                         ("session_overflow", session_overflow), ("session_retention_s", session_retention_s),
                         ("max_sessions_per_tenant", max_sessions_per_tenant)):
         if value is not None:
@@ -114,6 +116,12 @@ def serve(
         "--kv-disk-dir", help="Disk KV tier and session records (survive a restart).")] = None,
     kv_disk_size: Annotated[str | None, typer.Option("--kv-disk-size", help="Disk tier size (default 50GiB).")] = None,
     kv_remote: Annotated[str | None, typer.Option("--kv-remote", help="Redis KV tier: redis://HOST:PORT/DB.")] = None,
+    price_input: Annotated[float, typer.Option("--price-input", help="Price per million computed prompt tokens.")] = 0.0,
+    price_cached_input: Annotated[float, typer.Option(
+        "--price-cached-input", help="Price per million prompt tokens served from cache.")] = 0.0,
+    price_output: Annotated[float, typer.Option("--price-output", help="Price per million generated tokens.")] = 0.0,
+    session_demote_after: Annotated[float | None, typer.Option(
+        "--session-demote-after", help="With KV tiers: an idle session's pool blocks go after S s (default 60).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -121,6 +129,7 @@ def serve(
 
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
+    from kvserve.pricing import Prices
     from kvserve.server.api import create_app
     from kvserve.server.config import ServerConfig
     from kvserve.server.tenants import collect_keys
@@ -135,11 +144,12 @@ def serve(
                                session_overflow=session_overflow, session_retention_s=session_retention,
                                max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
-                               kv_remote=kv_remote)
+                               kv_remote=kv_remote, session_demote_after_s=session_demote_after)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
-                        tokenizer_workers=tokenizer_workers)
+                        tokenizer_workers=tokenizer_workers,
+                        prices=Prices(price_input, price_cached_input, price_output))
     engine = AsyncLLMEngine(LLMEngine(ecfg))
     app = create_app(engine, scfg, model_path=ecfg.model)
     tenants = sorted(set(keys.values()))

@@ -152,7 +152,7 @@ def _response(state: ServerState, req: CompletionRequest, rid: str, finals: list
                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids and c.index == 0 else None,
             ))
     return CompletionResponse(id=rid, model=state.config.served_model_name, choices=choices,
-                              usage=usage_of(finals))
+                              usage=usage_of(finals, state.config.prices))
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams: list[RequestStream],
@@ -181,7 +181,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams:
             if out.finished:
                 finals[i] = out
         if include_usage:
-            usage = usage_of([finals[i] for i in sorted(finals)])
+            usage = usage_of([finals[i] for i in sorted(finals)], state.config.prices)
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
         yield DONE
     except EngineDeadError as exc:

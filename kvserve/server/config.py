@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.pricing import Prices
+
 DEFAULT_TENANT = "default"
 
 
@@ -43,6 +45,7 @@ class ServerConfig:
     session_overflow: str | None = None
     sample_interval_s: float = 1.0
     dashboard_points: int = 300
+    prices: Prices = field(default_factory=Prices)  # per million tokens: usage.cost, kvserve:cost_total
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

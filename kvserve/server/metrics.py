@@ -20,6 +20,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+from kvserve.pricing import Prices
 
 P = "kvserve:"
 V = "vllm:"
@@ -120,7 +121,8 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The registry behind ``GET /metrics``; also an :class:`EngineListener`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prices: Prices | None = None) -> None:
+        self.prices = prices or Prices()
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc.
         self._engine = _EngineCollector(model_name)
@@ -147,6 +149,9 @@ class ServerMetrics:
         self._finished = Counter(P + "request_success", "Finished requests by finish reason.",
                                  ["model_name", "finish_reason"], registry=self.registry)
         self._model_name = model_name
+        self._cost = Counter(P + "cost", "What finished requests cost at the configured prices (per kind: input, "
+                             "cached_input, output; saved_by_cache is what the cache saved).",
+                             ["model_name", "kind"], registry=self.registry)
         # vLLM's names for the same events
         self.v_ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                            TTFT_BUCKETS, V)
@@ -188,6 +193,10 @@ class ServerMetrics:
         self.generation_tokens.inc(req.generation_tokens)
         self.v_prompt_tokens.inc(req.prompt_tokens)
         self.v_generation_tokens.inc(req.generation_tokens)
+        if self.prices.enabled:
+            cost = self.prices.cost(req.prompt_tokens, req.cached_tokens, req.generation_tokens)
+            for kind in ("input", "cached_input", "output", "saved_by_cache"):
+                self._cost.labels(model_name=self._model_name, kind=kind).inc(cost[kind])
         reason = str(req.finish_reason)
         self._finished.labels(model_name=self._model_name, finish_reason=reason).inc()
         self._v_finished.labels(model_name=self._model_name, finished_reason=reason).inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvserve.pricing import Prices
 from kvserve.request import RequestOutput
 from kvserve.runner.logits_processors import bad_words_token_ids
 from kvserve.sampling_params import SamplingParams
@@ -163,7 +164,7 @@ def default_chat_max_tokens(prompt_tokens: int, max_model_len: int) -> int:
     return room
 
 
-def usage_of(outputs: list[RequestOutput]) -> Usage:
+def usage_of(outputs: list[RequestOutput], prices: Prices | None = None) -> Usage:
     """Prompt tokens count once per prompt (not per sample); cached tokens are prefix/session hits."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -174,5 +175,6 @@ def usage_of(outputs: list[RequestOutput]) -> Usage:
             hits[place] = hits.get(place, 0) + n
     kv = KVUsage(hit_tokens=hits, recomputed_tokens=prompt - cached,
                  load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3))
+    cost = prices.cost(prompt, cached, completion) if prices is not None and prices.enabled else None
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), kv=kv)
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), kv=kv, cost=cost)

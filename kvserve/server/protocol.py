@@ -146,6 +146,7 @@ class Usage(_Response):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     kv: KVUsage | None = None
+    cost: dict[str, float] | None = None  # with prices configured: input, cached_input, output, total, saved_by_cache
 
 
 class CompletionLogprobs(_Response):

@@ -83,3 +83,20 @@ def test_only_the_session_table_assigns_session_fields() -> None:
                             and "session" in el.value.id.lower()):
                         offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_with_tiers_an_idle_session_is_demoted_early_and_keeps_its_history() -> None:
+    clock = Clock()
+    kv = KVCacheManager(16, 4, session_idle_timeout_s=600, clock=clock, tiers=("host",), session_demote_after_s=5)
+    turn(kv, "a", [1, 2, 3, 4, 5])
+    clock.t = 4
+    assert kv.expire_sessions() == 0 and kv.sessions.get("a").resident
+    clock.t = 6  # past demote-after, far from the idle timeout: the pool copy goes, history stays
+    assert kv.expire_sessions() == 1
+    a = kv.sessions.get("a")
+    assert not a.resident and a.token_ids == [1, 2, 3, 4, 5] and kv.usage().used == 0
+    kv.check()
+    plain = KVCacheManager(16, 4, session_idle_timeout_s=600, clock=clock, session_demote_after_s=5)
+    turn(plain, "a", [1, 2, 3, 4, 5])
+    clock.t = 20  # no tiers: demotion would lose the KV, so only the idle timeout applies
+    assert plain.expire_sessions() == 0 and plain.sessions.get("a").resident

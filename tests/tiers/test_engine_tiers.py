@@ -88,3 +88,52 @@ def test_another_model_never_loads_these_blocks(model: Path, tmp_path: Path) -> 
     llm = engine(other, kv_disk_dir=tmp_path)
     _, hits, cached = run(llm, A)
     assert hits.get("disk", 0) == 0 and cached == 0  # its root key differs: no hash matches
+
+
+def test_loading_makes_room_by_releasing_idle_sessions(model: Path) -> None:
+    """Idle sessions holding most of the pool do not starve a load: they are released (their KV
+    is in the tier too) and the whole prefix is loaded, not recomputed."""
+    reference = run(engine(model), A)[0]
+    llm = engine(model, kv_host_memory="8MiB")
+    run(llm, A)
+    for i, p in enumerate(FILLERS[:2]):  # two idle sessions now pin most of the 24 blocks
+        llm.generate(p, GREEDY, session_id=f"idle{i}")
+    tokens, hits, _ = run(llm, A)
+    assert tokens == reference and hits.get("host", 0) + hits.get("pool", 0) >= 14 * 4
+    assert llm.engine.kv.sessions.stats.evicted >= 1
+
+
+def test_the_process_runner_serves_tiers_too(model: Path, tmp_path: Path) -> None:
+    reference = run(engine(model), A)[0]
+    run(engine(model, kv_disk_dir=tmp_path), A)
+    with engine(model, kv_disk_dir=tmp_path, runner="process") as llm:  # the child rebuilt the index
+        tokens, hits, _ = run(llm, A)
+    assert tokens == reference and hits.get("disk", 0) >= 14 * 4 - 4
+
+
+def test_write_back_saves_a_block_only_when_the_pool_evicts_it(model: Path, tmp_path: Path) -> None:
+    reference = run(engine(model), A)[0]
+    llm = engine(model, kv_host_memory="8MiB", kv_tier_write="back")
+    run(llm, A)
+    assert llm.engine.kv.tiers.index.count("host") == 0  # nothing saved while A's blocks sit in the pool
+    evict_a(llm)
+    assert llm.engine.kv.tiers.index.count("host") >= 14  # evicted, so saved on the way out
+    tokens, hits, _ = run(llm, A)
+    assert tokens == reference and hits.get("host", 0) >= 14 * 4 - 4
+    llm.engine.kv.check()
+
+
+def test_write_back_spills_what_the_host_tier_evicts_to_disk(model: Path, tmp_path: Path) -> None:
+    from kvserve.contract import BlockPayload
+    from kvserve.kv.tiers.disk import DiskTier
+    from kvserve.kv.tiers.host import HostTier
+    from kvserve.kv.tiers.stack import TierStack
+
+    host, disk = HostTier(2500), DiskTier(tmp_path, 1 << 20, fsync=False)
+    stack = TierStack([host, disk], b"r" * 16, write="back")
+    for i in range(10):
+        stack.save(i.to_bytes(16, "little"), b"", BlockPayload("int8", 4, 1, 8, 4, [b"k" * 400], [b"v" * 8]))
+        host.check()
+        disk.check()
+    assert len(host) < 10 and len(host) + len(disk) == 10  # host holds the newest, disk the spilled rest
+    assert all(stack.load(i.to_bytes(16, "little"))[0] is not None for i in range(10))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from kvserve.kv.eviction.lru import LRUPolicy
+from kvserve.kv.eviction.s3fifo import S3FIFOPolicy
 
 
 class EvictionPolicy(Protocol):
@@ -20,6 +21,10 @@ class EvictionPolicy(Protocol):
 
     def remove(self, block_id: int) -> None:
         """A free block was taken again (a prefix hit revived it)."""
+        ...
+
+    def touch(self, block_id: int) -> None:
+        """An entry was used again (a tier hit): LRU moves it to the back, S3-FIFO counts it."""
         ...
 
     def pop(self) -> int:
@@ -35,7 +40,7 @@ class EvictionPolicy(Protocol):
         ...
 
 
-EVICTION_POLICIES: dict[str, type] = {"lru": LRUPolicy}
+EVICTION_POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
 
 
 def make_policy(name: str, initial: list[int]) -> EvictionPolicy:
@@ -47,4 +52,4 @@ def make_policy(name: str, initial: list[int]) -> EvictionPolicy:
     return policy
 
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]

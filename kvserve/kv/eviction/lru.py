@@ -16,6 +16,9 @@ class LRUPolicy:
     def remove(self, block_id: int) -> None:
         del self._free[block_id]
 
+    def touch(self, block_id: int) -> None:
+        self._free.move_to_end(block_id)
+
     def pop(self) -> int:
         if not self._free:
             raise IndexError("no free block")

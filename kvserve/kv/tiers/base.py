@@ -55,6 +55,7 @@ class LocalTier:
     the LRU order through the eviction-policy seam, and capacity enforcement."""
 
     name = "local"
+    spill: dict[bytes, bytes] | None = None  # write-back: objects evicted, for the next tier down
 
     def __init__(self, capacity_bytes: int, eviction: str = "lru") -> None:
         if capacity_bytes <= 0:
@@ -108,13 +109,15 @@ class LocalTier:
         self._order.remove(key)  # type: ignore[arg-type]
 
     def _touch(self, key: bytes) -> None:
-        self._order.remove(key)  # type: ignore[arg-type]
-        self._order.push(key)  # type: ignore[arg-type]
+        self._order.touch(key)  # type: ignore[arg-type]
 
     def delete(self, key: bytes) -> None:
+        """Remove ``key`` for good (a corrupt object: never handed to the next tier)."""
         if key in self._sizes:
             self._forget(key)
+            saved, self.spill = self.spill, None
             self._drop_bytes(key)
+            self.spill = saved
 
     def _drop_bytes(self, key: bytes) -> None:
         raise NotImplementedError

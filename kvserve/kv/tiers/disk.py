@@ -93,4 +93,10 @@ class DiskTier(LocalTier):
         return data
 
     def _drop_bytes(self, key: bytes) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        if self.spill is not None:
+            try:
+                self.spill[key] = path.read_bytes()
+            except OSError:
+                pass
+        path.unlink(missing_ok=True)

@@ -30,4 +30,6 @@ class HostTier(LocalTier):
         return data
 
     def _drop_bytes(self, key: bytes) -> None:
-        self._data.pop(key, None)
+        data = self._data.pop(key, None)
+        if self.spill is not None and data is not None:
+            self.spill[key] = data

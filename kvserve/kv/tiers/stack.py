@@ -21,9 +21,15 @@ log = logging.getLogger("kvserve")
 
 
 class TierStack:
-    def __init__(self, tiers: list[Tier], root: bytes) -> None:
+    def __init__(self, tiers: list[Tier], root: bytes, write: str = "through") -> None:
+        if write not in ("through", "back"):
+            raise ValueError(f"tier write policy must be through or back, got {write!r}")
         self.tiers = tiers
         self.root = root
+        self.write = write
+        for tier in tiers[:-1]:  # write-back: what a tier evicts goes down to the next one
+            if write == "back" and hasattr(tier, "spill"):
+                tier.spill = {}
         self._up = {t.name: True for t in tiers}
 
     def _health(self, tier: Tier, events: list[TierEvent]) -> bool:
@@ -38,17 +44,36 @@ class TierStack:
         return bool(self.tiers)
 
     def save(self, key: bytes, parent: bytes, payload: BlockPayload) -> list[TierEvent]:
+        """Write-through: the object goes to every tier. Write-back: to the first tier only, and
+        what a tier evicts to make room goes down to the next (host → disk → remote)."""
         data = object_format.encode(payload, root=self.root, block_hash=key, parent=parent)
         events: list[TierEvent] = []
-        for tier in self.tiers:
-            if not self._health(tier, events):
-                continue
-            evicted = tier.put(key, data)
-            events += [TierEvent("removed", tier.name, k) for k in evicted if k != key]
-            if key not in evicted:
-                events.append(TierEvent("stored", tier.name, key, len(data)))
-            self._health(tier, events)
+        if self.write == "through":
+            for i in range(len(self.tiers)):
+                self._put(i, key, data, events)
+        else:
+            self._put(0, key, data, events)
         return events
+
+    def _put(self, i: int, key: bytes, data: bytes, events: list[TierEvent]) -> None:
+        tier = self.tiers[i]
+        if not self._health(tier, events):
+            if self.write == "back" and i + 1 < len(self.tiers):
+                self._put(i + 1, key, data, events)  # a tier that is down is skipped, not a hole
+            return
+        evicted = tier.put(key, data)
+        events += [TierEvent("removed", tier.name, k) for k in evicted if k != key]
+        if key not in evicted:
+            events.append(TierEvent("stored", tier.name, key, len(data)))
+        elif self.write == "back" and i + 1 < len(self.tiers):
+            self._put(i + 1, key, data, events)  # too big for this tier: the next one takes it
+        self._health(tier, events)
+        spill: dict[bytes, bytes] | None = getattr(tier, "spill", None)
+        if spill and i + 1 < len(self.tiers):
+            moved = list(spill.items())
+            spill.clear()
+            for k, d in moved:
+                self._put(i + 1, k, d, events)
 
     def load(self, key: bytes) -> tuple[BlockPayload | None, str | None, list[TierEvent]]:
         events: list[TierEvent] = []
