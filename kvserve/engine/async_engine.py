@@ -362,6 +362,7 @@ class AsyncLLMEngine:
             ttft_s=None if live.first_token_at is None else live.first_token_at - live.arrival,
             e2e_s=now - live.arrival,
             kv_gib_s=live.kv_byte_s / GIB,
+            kv_hit_tokens=dict(out.kv_hit_tokens),
         )
         for lis in self.listeners:
             lis.on_finished(fin, now)

@@ -32,6 +32,7 @@ class FinishedRequest:
     ttft_s: float | None    # arrival → first token
     e2e_s: float            # arrival → end
     kv_gib_s: float         # ∫ KV bytes held by the request dt, in GiB·s
+    kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused per place (pool, host …)
 
 
 class EngineListener(Protocol):

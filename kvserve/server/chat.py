@@ -72,6 +72,7 @@ def _messages(req: ChatCompletionRequest) -> list[Message]:
 class _Added:
     stream: RequestStream
     restarted: bool = False
+    session: tuple[str, int] | None = None  # (engine session id, transcript version) of a session turn
 
 
 async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
@@ -97,12 +98,13 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     headers = {"X-Session-Restarted": "true"} if added.restarted else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, rid, added.stream, include_usage, top_n),
+        return StreamingResponse(_stream(state, req, rid, added, include_usage, top_n),
                                  media_type="text/event-stream", headers=headers)
     final: RequestOutput = await unless_disconnected(request, added.stream.result())
     failed = failure_of(final)
     if failed is not None:
         raise APIError(500, failed, code="request_failed")
+    await _record_turn(state, added, final)
     choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(state.tokenizer, c, 0, top_n),
@@ -171,7 +173,7 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
             except BaseException:
                 sessions.end_turn(esid, version, None)
                 raise
-            return _Added(stream, plan.restart)
+            return _Added(stream, plan.restart, (esid, version))
     raise AssertionError("unreachable")
 
 
@@ -187,8 +189,9 @@ def session_error(msg: str, engine_id: str, sid: str, history: int) -> Exception
     return ValueError(msg)
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stream: RequestStream,
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, added: _Added,
                   include_usage: bool, top_n: int) -> AsyncIterator[bytes]:
+    stream = added.stream
     created, model = int(time.time()), state.config.served_model_name
 
     def chunk(choices: list[ChatStreamChoice], **kw: Any) -> bytes:
@@ -215,6 +218,8 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
                     finish_reason=c.finish_reason if finished else None,
                     token_ids=ids if req.return_token_ids else None)])
             final = out
+        if final is not None:
+            await _record_turn(state, added, final)
         if include_usage and final is not None:
             yield chunk([], usage=usage_of([final], state.config.prices))
         yield DONE
@@ -225,8 +230,21 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stre
 
 
 def _end_turn(state: Any, esid: str, version: int, out: Any) -> None:
-    """The turn ended: update the transcript and persist it with the engine's session."""
+    """The turn ended (whoever sees it first: the stream's callback or the handler; a second call
+    is a no-op): update the transcript and persist it with the engine's session."""
     state.chat_sessions.end_turn(esid, version, out)
     meta = state.chat_sessions.meta_of(esid)
     if meta is not None:
         state.engine.post(lambda e: e.set_session_meta(esid, meta))
+
+
+async def _record_turn(state: Any, added: _Added, final: RequestOutput) -> None:
+    """Before the client sees the reply: the transcript is updated and persisted with the engine's
+    session (its record on disk or in Redis), so a crash right after the reply loses nothing."""
+    if added.session is None:
+        return
+    esid, version = added.session
+    state.chat_sessions.end_turn(esid, version, final)
+    meta = state.chat_sessions.meta_of(esid)
+    if meta is not None:
+        await state.engine.call(lambda e: e.set_session_meta(esid, meta))

@@ -118,6 +118,16 @@ class _EngineCollector(Collector):
             yield fam
 
 
+SOURCES = ("pool", "host", "disk", "remote", "computed")
+
+
+def sources_of(req: FinishedRequest) -> dict[str, int]:
+    """A finished request's prompt tokens by where their KV came from (sums to its prompt tokens)."""
+    out = {s: req.kv_hit_tokens.get(s, 0) for s in SOURCES[:-1]}
+    out["computed"] = max(0, req.prompt_tokens - req.cached_tokens)
+    return out
+
+
 class ServerMetrics:
     """The registry behind ``GET /metrics``; also an :class:`EngineListener`."""
 
@@ -149,6 +159,9 @@ class ServerMetrics:
         self._finished = Counter(P + "request_success", "Finished requests by finish reason.",
                                  ["model_name", "finish_reason"], registry=self.registry)
         self._model_name = model_name
+        self._source = Counter(P + "prompt_tokens_by_source", "Prompt tokens of finished requests by where their "
+                               "KV came from: pool, host, disk, remote (reused) or computed.",
+                               ["model_name", "source"], registry=self.registry)
         self._cost = Counter(P + "cost", "What finished requests cost at the configured prices (per kind: input, "
                              "cached_input, output; saved_by_cache is what the cache saved).",
                              ["model_name", "kind"], registry=self.registry)
@@ -193,6 +206,8 @@ class ServerMetrics:
         self.generation_tokens.inc(req.generation_tokens)
         self.v_prompt_tokens.inc(req.prompt_tokens)
         self.v_generation_tokens.inc(req.generation_tokens)
+        for source, n in sources_of(req).items():
+            self._source.labels(model_name=self._model_name, source=source).inc(n)
         if self.prices.enabled:
             cost = self.prices.cost(req.prompt_tokens, req.cached_tokens, req.generation_tokens)
             for kind in ("input", "cached_input", "output", "saved_by_cache"):

@@ -15,6 +15,7 @@ from collections import deque
 from typing import Any
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+from kvserve.server.metrics import SOURCES, sources_of
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -33,6 +34,7 @@ class Timeline:
         self._itl: list[float] = []
         self._tokens = 0
         self._finished = 0
+        self._sources: dict[str, int] = {}
         self._last: tuple[float, EngineSnapshot] | None = None
 
     # -- EngineListener (engine thread) ------------------------------------------------------
@@ -49,6 +51,8 @@ class Timeline:
     def on_finished(self, req: FinishedRequest, now: float) -> None:
         with self._lock:
             self._finished += 1
+            for source, n in sources_of(req).items():
+                self._sources[source] = self._sources.get(source, 0) + n
 
     # -- sampling (event loop) ---------------------------------------------------------------
     def sample(self, snap: EngineSnapshot, now: float | None = None, wall: float | None = None) -> dict[str, Any]:
@@ -57,6 +61,7 @@ class Timeline:
         with self._lock:
             ttft, itl, tokens, finished = self._ttft, self._itl, self._tokens, self._finished
             self._ttft, self._itl, self._tokens, self._finished = [], [], 0, 0
+            sources, self._sources = self._sources, {}
         dt = now - self._last[0] if self._last else None
         prev = self._last[1] if self._last else None
         dq = snap.prefix_queries - (prev.prefix_queries if prev else 0)
@@ -73,6 +78,9 @@ class Timeline:
             "ttft_p50": percentile(ttft, 50), "ttft_p95": percentile(ttft, 95),
             "itl_p50": percentile(itl, 50), "itl_p95": percentile(itl, 95),
             "tokens_per_s": tokens / dt if dt else None, "requests_per_s": finished / dt if dt else None,
+            # where this interval's finished prompts' KV came from, and what each tier holds
+            **{f"src_{s}": sources.get(s, 0) for s in SOURCES},
+            **{f"tier_{t}_blocks": st["blocks"] for t, st in snap.tiers.items()},
         }
         self._last = (now, snap)
         self.points.append(point)
