@@ -253,9 +253,14 @@ class LLMEngine:
             return self.outputs.flush()  # aborts still need their final output
         result = self.runner.execute(plan)
         changed = self.scheduler.update(plan, result)
-        if not self.scheduler.has_unfinished and self.kv.has_pending_ops:  # idle: saves go now
-            self.scheduler.update(SchedulerOutput(), self.runner.execute(SchedulerOutput(block_ops=self.kv.take_block_ops())))
-        return self.outputs.process(changed, result, self._stop_by_string)
+        outputs = self.outputs.process(changed, result, self._stop_by_string)
+        if not self.scheduler.has_unfinished and self.kv.has_pending_ops:
+            self._flush_block_ops()  # idle: the last blocks' saves run now, before the outputs leave
+        return outputs
+
+    def _flush_block_ops(self) -> None:
+        ops = SchedulerOutput(block_ops=self.kv.take_block_ops())
+        self.scheduler.update(ops, self.runner.execute(ops))
 
     def _stop_by_string(self, req: Request, stop: str) -> None:
         self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
