@@ -9,7 +9,7 @@ so the caller degrades to the tiers above it and nothing fails because a tier di
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.kv.eviction import make_policy
@@ -24,7 +24,7 @@ class TierStats:
     evictions: int = 0
     checksum_failures: int = 0
     errors: int = 0
-    load_seconds: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    load_seconds: float = 0.0  # summed; the scheduler side's per-tier counters are what /metrics reads
 
 
 class Tier(Protocol):

@@ -94,19 +94,6 @@ class RemoteTier:
         self.stats.hits += 1
         return bytes(data)
 
-    def exists(self, keys: list[bytes]) -> list[bool]:
-        """Which of ``keys`` the server holds (one round trip); all False while down."""
-        if not keys or not self.up:
-            return [False] * len(keys)
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(PREFIX + k)
-            return [bool(x) for x in pipe.execute()]
-        except self._errors:
-            self._fail()
-            return [False] * len(keys)
-
     def delete(self, key: bytes) -> None:
         if self.up:
             try:

@@ -92,7 +92,7 @@ class TierStack:
                 events += [TierEvent("corrupt", tier.name, key), TierEvent("removed", tier.name, key)]
                 continue
             tier.stats.loads += 1
-            tier.stats.load_seconds.append(time.perf_counter() - t0)
+            tier.stats.load_seconds += time.perf_counter() - t0
             return payload, tier.name, events
         return None, None, events
 
