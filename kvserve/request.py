@@ -83,6 +83,10 @@ class Request:
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)
     kv_load_seconds: float = 0.0
     tiers_checked: bool = False  # a request consults the tiers once (what fails to load is recomputed)
+    # the prompt-caching API (kvserve.kv.prefix_pins): (pin key or None, prompt tokens, TTL s) to
+    # pin when the request finishes; tokens newly written to a pin (not read from the cache)
+    cache_pins: tuple[tuple[str | None, int, float], ...] = ()
+    cache_write_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -166,3 +170,4 @@ class RequestOutput:
     error: str | None = None  # set when a sample failed (its finish_reason is "error")
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused, per tier ("pool", "disk" …)
     kv_load_seconds: float = 0.0  # time spent loading KV from the tiers
+    cache_write_tokens: int = 0  # prompt tokens this request wrote into a pinned prefix (prompt caching)

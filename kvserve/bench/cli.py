@@ -31,7 +31,8 @@ def _run_with_progress(cfg, console: Console, out: Path) -> dict:
 @bench_app.command("turns")
 def turns(
     model: Annotated[str | None, typer.Option(help="Checkpoint folder (default: the embedded model).")] = None,
-    modes: Annotated[str, typer.Option(help="Comma-separated: none, prefix, session, hf-recompute, hf-reuse.")]
+    modes: Annotated[str, typer.Option(help="Comma-separated: none, prefix, session, session-tiers, session-big, "
+                                             "hf-recompute, hf-reuse.")]
     = "none,prefix,session,hf-recompute,hf-reuse",
     turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 40,
     user_tokens: Annotated[int, typer.Option(help="New user tokens per turn.")] = 64,
@@ -39,6 +40,10 @@ def turns(
     conversations: Annotated[int, typer.Option(help="Interleave K conversations round-robin.")] = 1,
     dtype: Annotated[str, typer.Option()] = "auto",
     kv_cache_memory: Annotated[str, typer.Option()] = "1GiB",
+    kv_host_memory: Annotated[str, typer.Option(help="session-tiers: the host tier's size.")] = "4GiB",
+    kv_disk_dir: Annotated[str | None, typer.Option(
+        help="session-tiers: the disk tier (default: a temporary directory).")] = None,
+    big_kv_cache_memory: Annotated[str, typer.Option(help="session-big: a pool that holds everything.")] = "8GiB",
     out: Annotated[Path, typer.Option(help="Folder for turns.json and turns.png.")] = Path("bench-out"),
 ) -> None:
     """The turn-by-turn latency experiment: TTFT, ms/token and KV held against turn, per mode."""
@@ -48,7 +53,8 @@ def turns(
 
     cfg = TurnsConfig(model=resolve_model_path(model), modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
                       turns=turns, user_tokens=user_tokens, new_tokens=new_tokens, conversations=conversations,
-                      dtype=dtype, kv_cache_memory=kv_cache_memory)
+                      dtype=dtype, kv_cache_memory=kv_cache_memory, kv_host_memory=kv_host_memory,
+                      kv_disk_dir=kv_disk_dir, big_kv_cache_memory=big_kv_cache_memory)
     console = Console()
     doc = _run_with_progress(cfg, console, out)
     plot_turns(doc, out / "turns.png")

@@ -50,6 +50,20 @@ def print_report(doc: dict, console: Console | None = None) -> None:
     turns = doc["config"]["turns"]
     console.print(turns_table(doc, every=max(1, turns // 10)))
     console.print(summary_table(doc))
+    tiers = doc["summary"].get("session-tiers", {})
+    for key, what in (("tiers_over_big", "TTFT with tiers ÷ a pool that holds everything"),
+                      ("recompute_over_tiers", "TTFT recomputing ÷ with tiers")):
+        if key + "_per_turn" in tiers:
+            per = ", ".join(f"t{t}: {r:.2f}" for t, r in tiers[key + "_per_turn"].items())
+            console.print(f"{what}: median {tiers[key + '_median']:.2f} ({per})")
+    r = doc.get("restart")
+    if r:
+        console.print(f"restart on the same disk directory: engine start {r['engine_start_s']:.2f} s, disk index of "
+                      f"{r['disk_blocks']} blocks rebuilt in {r['index_rebuild_s'] * 1e3:.1f} ms "
+                      f"({r['rebuild_s_per_10k_blocks'] * 1e3:.0f} ms per 10k blocks); first token "
+                      f"{r['first_token_after_restart_s']:.2f} s after the restart began; next turn's TTFT median "
+                      f"{r['next_turn_ttft_median_s']:.3f} s with {100 * r['next_turn_cached_fraction']:.0f}% of the "
+                      "history from the tiers")
 
 
 def plot_turns(doc: dict, path: Path) -> Path:

@@ -6,7 +6,13 @@ computed and taken from cache, KV held and process RSS. Modes:
 
 * ``none``     whole history resent each turn, prefix cache off: everything is recomputed;
 * ``prefix``   whole history resent, prefix cache on: the history's full blocks are hits;
-* ``session``  only the new tokens are sent; the session's KV stays pinned between turns;
+* ``session``  only the new tokens are sent; the session's KV stays pinned between turns (and is
+  recomputed when the pool had to release it);
+* ``session-tiers``  ``session`` with host + disk tiers below the same pool: KV that left the pool
+  is loaded back; afterwards a new engine is started on the same disk directory and the next turn
+  of every conversation is timed (restart to first token, index rebuild);
+* ``session-big``  ``session`` with a pool of ``big_kv_cache_memory`` that holds everything (the
+  reference the tiers are measured against);
 * ``hf-recompute`` / ``hf-reuse``  transformers as the outside reference (see ``hf_reference``).
 
 With ``conversations=K`` the K conversations take their turns round-robin, so their caches compete.
@@ -16,8 +22,9 @@ from __future__ import annotations
 
 import gc
 import random
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -25,7 +32,7 @@ import psutil
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
-ENGINE_MODES = ("none", "prefix", "session")
+ENGINE_MODES = ("none", "prefix", "session", "session-tiers", "session-big")
 HF_MODES = ("hf-recompute", "hf-reuse")
 ALL_MODES = ENGINE_MODES + HF_MODES
 
@@ -41,6 +48,9 @@ class TurnsConfig:
     dtype: str = "auto"
     kv_cache_memory: str = "1GiB"
     seed: int = 0
+    kv_host_memory: str = "4GiB"      # session-tiers: the host tier
+    kv_disk_dir: str | None = None    # session-tiers: the disk tier (None: a temporary directory)
+    big_kv_cache_memory: str = "8GiB"  # session-big: a pool that holds every conversation
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -75,20 +85,52 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def run_engine_mode(cfg: TurnsConfig, mode: str, progress: Callable[[int], None] | None = None) -> list[TurnRecord]:
-    llm = LLM(cfg.model, dtype=cfg.dtype, kv_cache_memory=cfg.kv_cache_memory,
-              enable_prefix_caching=mode != "none", max_num_batched_tokens=4096,
-              max_model_len=cfg.turns * (cfg.user_tokens + cfg.new_tokens) + 16)
+def _engine(cfg: TurnsConfig, mode: str, disk_dir: str | None) -> LLM:
+    tiers = {"kv_host_memory": cfg.kv_host_memory, "kv_disk_dir": disk_dir} if mode == "session-tiers" else {}
+    return LLM(cfg.model, dtype=cfg.dtype,
+               kv_cache_memory=cfg.big_kv_cache_memory if mode == "session-big" else cfg.kv_cache_memory,
+               enable_prefix_caching=mode != "none", max_num_batched_tokens=4096,
+               max_model_len=(cfg.turns + 1) * (cfg.user_tokens + cfg.new_tokens) + 16, **tiers)  # type: ignore[arg-type]
+
+
+def run_engine_mode(cfg: TurnsConfig, mode: str, progress: Callable[[int], None] | None = None,
+                    restart: dict | None = None) -> list[TurnRecord]:
+    """One mode's turns. For ``session-tiers`` with ``restart`` given, also the restart figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        disk = (cfg.kv_disk_dir or tmp) if mode == "session-tiers" else None
+        llm = _engine(cfg, mode, disk)
+        records = _turns(cfg, mode, llm, range(1, cfg.turns + 1), progress)
+        del llm
+        gc.collect()
+        if mode == "session-tiers" and restart is not None:
+            t0 = time.perf_counter()
+            again = _engine(cfg, mode, disk)  # sessions and the disk index come back from the directory
+            start_s = time.perf_counter() - t0
+            tier = again.engine.runner.tiers.tiers[-1]
+            after = _turns(cfg, mode, again, [cfg.turns + 1], None)
+            restart.update(engine_start_s=start_s, disk_blocks=tier.rebuilt, index_rebuild_s=tier.rebuild_seconds,
+                           rebuild_s_per_10k_blocks=tier.rebuild_seconds / max(1, tier.rebuilt) * 10_000,
+                           first_token_after_restart_s=start_s + after[0].ttft_s,
+                           next_turn_ttft_median_s=_median([r.ttft_s for r in after]),
+                           next_turn_cached_fraction=sum(r.cached_tokens for r in after)
+                           / max(1, sum(r.prompt_tokens - cfg.user_tokens for r in after)))
+            del again
+            gc.collect()
+    return records
+
+
+def _turns(cfg: TurnsConfig, mode: str, llm: LLM, turns: Iterable[int],
+           progress: Callable[[int], None] | None) -> list[TurnRecord]:
     engine = llm.engine
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     params = SamplingParams(max_tokens=cfg.new_tokens, temperature=0, ignore_eos=True)
     histories: list[list[int]] = [[] for _ in range(cfg.conversations)]
     records: list[TurnRecord] = []
     bpt = engine.capacity.bytes_per_token
-    for t in range(1, cfg.turns + 1):
+    for t in turns:
         for c in range(cfg.conversations):
             new = user_turn_tokens(cfg, c, t, vocab)
-            if mode == "session":
+            if mode.startswith("session"):
                 rid = engine.add_request({"prompt_token_ids": new}, params, session_id=f"conv-{c}")
             else:
                 rid = engine.add_request({"prompt_token_ids": histories[c] + new}, params)
@@ -102,8 +144,6 @@ def run_engine_mode(cfg: TurnsConfig, mode: str, progress: Callable[[int], None]
                 kv_blocks=usage.used, kv_bytes=usage.used * engine.capacity.block_size * bpt, rss_bytes=_rss()))
         if progress:
             progress(t)
-    del llm, engine
-    gc.collect()
     return records
 
 
@@ -136,7 +176,10 @@ def run(cfg: TurnsConfig, progress: Callable[[str, int], None] | None = None,
     for mode in cfg.modes:
         cb = (lambda t, m=mode: progress(m, t)) if progress else None
         if mode in ENGINE_MODES:
-            recs = run_engine_mode(cfg, mode, cb)
+            restart: dict = {}
+            recs = run_engine_mode(cfg, mode, cb, restart)
+            if restart:
+                doc["restart"] = restart
         else:
             recs = hf_reference.run_hf_mode(cfg, mode, cb)
         modes[mode] = {"turns": [asdict(r) for r in recs]}
@@ -182,4 +225,13 @@ def summarize(modes: dict[str, dict], turns: int) -> dict[str, dict]:
         base = out["none"]["ttft_late_s"]
         for summary in out.values():
             summary["speedup_vs_none_late"] = base / summary["ttft_late_s"]
+    if "session-tiers" in modes:  # the tiers issue's two ratios, per later turn and as medians
+        tiers = per_turn(modes["session-tiers"], "ttft_s")
+        later = [t for t in tiers if t > 1]
+        for other, key in (("session-big", "tiers_over_big"), ("session", "recompute_over_tiers")):
+            if other in modes:
+                ref = per_turn(modes[other], "ttft_s")
+                ratio = {t: (tiers[t] / ref[t] if key == "tiers_over_big" else ref[t] / tiers[t]) for t in later}
+                out["session-tiers"][key + "_per_turn"] = ratio
+                out["session-tiers"][key + "_median"] = _median(list(ratio.values()))
     return out

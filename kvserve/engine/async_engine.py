@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -192,6 +192,7 @@ class AsyncLLMEngine:
                           tenant: str | None = None,
                           restart_session: bool = False, expect_session_tokens: int | None = None,
                           check_session: bool = False,
+                          cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None,
                           on_done: Callable[[RequestOutput | None], None] | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError
         (bad input: nothing was queued) or :class:`EngineDeadError`. ``on_done(final output)`` runs
@@ -206,7 +207,8 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         n = params.n
         extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "session_overflow": session_overflow,
-                                 "tenant": tenant if session_id is not None else None}
+                                 "tenant": tenant if session_id is not None else None,
+                                 "cache_control": tuple(cache_control), "prompt_cache_key": prompt_cache_key}
 
         def add(engine: LLMEngine) -> None:
             if session_id is not None and (check_session or restart_session):
@@ -363,6 +365,7 @@ class AsyncLLMEngine:
             e2e_s=now - live.arrival,
             kv_gib_s=live.kv_byte_s / GIB,
             kv_hit_tokens=dict(out.kv_hit_tokens),
+            cache_write_tokens=out.cache_write_tokens,
         )
         for lis in self.listeners:
             lis.on_finished(fin, now)

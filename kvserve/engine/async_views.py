@@ -33,6 +33,7 @@ class FinishedRequest:
     e2e_s: float            # arrival → end
     kv_gib_s: float         # ∫ KV bytes held by the request dt, in GiB·s
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused per place (pool, host …)
+    cache_write_tokens: int = 0  # prompt tokens written to a pinned prefix (prompt caching)
 
 
 class EngineListener(Protocol):
@@ -65,7 +66,7 @@ class EngineSnapshot:
     kv_bytes_per_token: int
     token_capacity: int
     max_model_len: int
-    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per KV tier: blocks, bytes, saves …
+    tiers: dict[str, dict[str, Any]] = field(default_factory=dict)  # per KV tier: blocks, bytes, saves …
 
     @property
     def kv_usage_ratio(self) -> float:
@@ -102,14 +103,16 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
     )
 
 
-def tier_stats(engine: LLMEngine) -> dict[str, dict[str, float]]:
-    """Per configured KV tier: blocks and bytes held, saves, loads, load time, checksum failures, up."""
+def tier_stats(engine: LLMEngine) -> dict[str, dict[str, Any]]:
+    """Per configured KV tier: blocks and bytes held, saves, lookups' hits and misses, loads, load
+    time (and its histogram, ``load_buckets``), checksum failures, up."""
     index = engine.kv.tiers.index
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for tier in index.tiers:
         c = index.counters[tier]
         out[tier] = {"blocks": index.count(tier), "bytes": c.bytes, "saves": c.saves, "removed": c.removed,
-                     "loads": c.loads, "load_seconds": c.load_seconds, "checksum_failures": c.checksum_failures,
+                     "hits": c.hits, "misses": c.misses, "loads": c.loads, "load_seconds": c.load_seconds,
+                     "load_buckets": list(c.load_buckets), "checksum_failures": c.checksum_failures,
                      "up": 1.0 if c.up else 0.0}
     return out
 

@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.prefix_pins import cache_pins
 from kvserve.kv.session_store import attach_session_stores
 from kvserve.kv.sessions import Session
 from kvserve.model.loader import load_model_config, load_tokenizer
@@ -138,7 +140,8 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     session_id: str | None = None, kv_cache_dtype: str | None = None,
-                    tenant: str | None = None, session_overflow: str | None = None) -> str:
+                    tenant: str | None = None, session_overflow: str | None = None,
+                    cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None) -> str:
         """Queue a request (``n`` samples become ``n`` sibling sequences). Raises ValueError for
         input that can never run; nothing is queued then. ``kv_cache_dtype`` overrides the engine's
         KV codec for this request (it must fit the pool's blocks: docs/kv-quant.md).
@@ -146,7 +149,12 @@ class LLMEngine:
         With ``session_id`` the prompt is the *new* turn's tokens only: they are appended to the
         session's history (previous prompts and replies, never re-tokenized), whose KV is reused.
         ``tenant`` owns a new session (its per-tenant cap applies); ``session_overflow`` overrides
-        the engine's ``error`` / ``drop_oldest`` choice for a session outgrowing ``max_session_tokens``."""
+        the engine's ``error`` / ``drop_oldest`` choice for a session outgrowing ``max_session_tokens``.
+
+        Prompt caching (:mod:`kvserve.kv.prefix_pins`): ``cache_control`` lists ``(prompt tokens,
+        TTL seconds)`` prefixes to pin when the request finishes; ``prompt_cache_key`` pins the
+        whole prompt for 5 minutes under that key (the key's previous prompt is let go). Not for
+        session turns: a session keeps its own history's KV."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         rid = request_id or f"req-{next(self._ids)}"
@@ -156,6 +164,7 @@ class LLMEngine:
         if session_id is not None:
             ids = self._session_prompt(session_id, ids, params, session_overflow)
         self.scheduler.validate(len(ids), params.max_tokens)
+        pins = cache_pins(cache_control, prompt_cache_key, len(ids), session_id is not None)
         codec = self._request_codec(kv_cache_dtype)
         if session_id is not None:
             self.kv.begin_turn(session_id, len(ids) - num_new, tenant)
@@ -167,6 +176,7 @@ class LLMEngine:
                             eos_token_ids=self._eos, group_id=rid, sample_index=i,
                             leader=leader, cache_salt=cache_salt, session_id=session_id,
                             kv_cache_dtype=codec, seed=base_seed + 1_000_003 * i)
+            child.cache_pins = pins
             leader = leader or child
             children.append(child)
         for child in children:
@@ -249,7 +259,7 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if plan.empty and not plan.block_ops:
+        if plan.empty and not plan.block_ops and not self.kv.tiers.loads_in_flight:
             return self.outputs.flush()  # aborts still need their final output
         result = self.runner.execute(plan)
         changed = self.scheduler.update(plan, result)
@@ -285,7 +295,7 @@ class LLMEngine:
             for out in outs:
                 if out.finished:
                     done[out.request_id] = out
-            idle = 0 if outs or self.scheduler.num_running or self.scheduler.loading else idle + 1
+            idle = 0 if outs or self.scheduler.num_running or self.kv.tiers.loads_in_flight else idle + 1
             if idle > max_idle_steps:
                 raise RuntimeError(f"{self.scheduler.num_waiting} request(s) waiting but none admitted in "
                                    f"{max_idle_steps} steps")

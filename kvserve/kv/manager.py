@@ -18,11 +18,17 @@ KV tiers configured, a block that becomes findable is also queued as a ``SaveBlo
 and a prefix lookup continues below the pool (:mod:`kvserve.kv.tier_seam`). Block operations leave
 in the order they were queued, which is the order the storage runs them.
 
-When the pool runs short, free blocks go first (never-cached, then cached-free in LRU order, by the
-pool), then idle resident sessions (LRU); only then does the scheduler preempt running requests.
+A finished request may **pin** prefixes of its prompt (the prompt-caching API's ``cache_control``
+and ``prompt_cache_key``: :mod:`kvserve.kv.prefix_pins`): their blocks stay in the pool until a
+deadline that every hit pushes back.
 
-Invariant (``check()``): every reference a block holds belongs to exactly one block-table entry
-or one session block, so ``sum(ref counts) == sum(len(tables)) + sum(len(session blocks))``.
+When the pool runs short, free blocks go first (never-cached, then cached-free in LRU order, by the
+pool), then idle resident sessions (LRU), then pins (LRU); only then does the scheduler preempt
+running requests.
+
+Invariant (``check()``): every reference a block holds belongs to exactly one block-table entry,
+session block, pin entry or tier load in flight, so ``sum(ref counts) == sum(len(tables)) +
+sum(len(session blocks)) + pinned blocks + blocks held by loads``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
+from kvserve.kv.prefix_pins import PrefixPins
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.kv.tier_seam import Loading, TierSeam
 from kvserve.request import Request, RequestStatus
@@ -91,7 +98,8 @@ class KVCacheManager:
                  root_key: BlockHash | None = None, session_idle_timeout_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic, session_retention_s: float | None = None,
                  max_sessions_per_tenant: int | None = None, tiers: tuple[str, ...] = (),
-                 session_demote_after_s: float | None = None, tier_write: str = "through") -> None:
+                 session_demote_after_s: float | None = None, tier_write: str = "through",
+                 max_pinned_blocks: int | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -101,6 +109,7 @@ class KVCacheManager:
         self.sessions = SessionTable(session_idle_timeout_s, clock, session_retention_s, max_sessions_per_tenant)
         self._ops: list[BlockOp] = []  # block operations for the next step, in order
         self.tiers = TierSeam(self.pool, block_size, tiers, tier_write, self._ops)
+        self.pins = PrefixPins(self.pool, clock, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
         # with tiers below the pool, an idle session's pool copy goes early: its KV stays in the tiers
         self.session_demote_after_s = session_demote_after_s if tiers else None
         self._tables: dict[str, list[int]] = {}
@@ -179,10 +188,8 @@ class KVCacheManager:
         start = req.num_computed_tokens + computed.num_tokens
         plan = self._plan(table, start, start + num_new_tokens, computed)
         while plan.blocks_wanted > self.pool.num_free:
-            victim = next((s for s in self.sessions.resident() if s.session_id != req.session_id), None)
-            if victim is None:
+            if not self._make_room(req):
                 return False
-            self.release_session(victim, evicted=True)
             plan = self._plan(table, start, start + num_new_tokens, computed)
         self._take(req, computed)
         for i in plan.cow:
@@ -194,6 +201,15 @@ class KVCacheManager:
             table.extend(self.pool.allocate(plan.need_new))
         self._tables[req.request_id] = table
         return True
+
+    def _make_room(self, req: Request) -> bool:
+        """Release one holder of idle KV: an idle session (LRU) other than ``req``'s, else a pin
+        (LRU). False when there is none left."""
+        victim = next((s for s in self.sessions.resident() if s.session_id != req.session_id), None)
+        if victim is not None:
+            self.release_session(victim, evicted=True)
+            return True
+        return self.pins.release_lru()
 
     def _plan(self, table: list[int], start: int, end: int, computed: ComputedBlocks) -> _Plan:
         touched = set(computed.blocks) if computed.source in (BlockSource.PREFIX, BlockSource.FORK) else set()
@@ -214,6 +230,8 @@ class KVCacheManager:
             self.sessions.take_blocks(session)
         else:
             self.pool.touch(list(computed.blocks))
+            if computed.source is BlockSource.PREFIX:
+                self.pins.refresh_hits(computed.blocks)
         if first_admission:
             self._num_cached[req.request_id] = len(computed.blocks) if computed.source is BlockSource.PREFIX else 0
             if self.enable_prefix_caching:
@@ -274,11 +292,9 @@ class KVCacheManager:
         if not hits:
             return None
         held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
-        while self.pool.num_free - held_free < len(hits):  # idle sessions make room, as for a prefill
-            victim = next((s for s in self.sessions.resident() if s.session_id != req.session_id), None)
-            if victim is None:
+        while self.pool.num_free - held_free < len(hits):  # idle KV makes room, as for a prefill
+            if not self._make_room(req):
                 break
-            self.release_session(victim, evicted=True)
             held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
         return self.tiers.begin(computed.blocks, hits, self._ops)
 
@@ -289,6 +305,9 @@ class KVCacheManager:
         table = self._tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         session = self.sessions.get(req.session_id) if req.session_id else None
+        if req.cache_pins and session is None and req.status in (RequestStatus.FINISHED_STOPPED,
+                                                                 RequestStatus.FINISHED_LENGTH):
+            self._pin_prefixes(req, table)
         if session is not None and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             if session.blocks:  # a turn under another salt did not take the session's old blocks
                 self.release_session(session)
@@ -299,6 +318,25 @@ class KVCacheManager:
                 self.sessions.abandon_turn(session)
         if req.status.finished:
             self._hashes.pop(req.request_id, None)
+
+    def _pin_prefixes(self, req: Request, table: list[int]) -> None:
+        """Pin the full blocks of each prefix ``req`` asked for (before its table is freed); what
+        was pinned anew beyond the tokens it read from the cache is its cache-write count."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes(req)
+        written = 0
+        for name, num_tokens, ttl_s in req.cache_pins:
+            k = min(num_tokens, req.num_computed_tokens, len(table) * self.block_size) // self.block_size
+            found = [self.pool.lookup(h) for h in hashes[:k]]  # the findable copy of each block
+            if k == 0 or None in found:
+                continue  # part of the prefix is not findable: nothing to pin
+            blocks = [b for b in found if b is not None]
+            root = request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
+            key = ("key", root.hex(), name) if name is not None else ("prefix", hashes[k - 1].hex())
+            if self.pins.pin(key, blocks, ttl_s):
+                written = max(written, k * self.block_size)
+        req.cache_write_tokens = max(0, written - req.num_cached_tokens)
 
     # -- sessions ----------------------------------------------------------------------------
     def begin_turn(self, session_id: str, turn_start: int = 0, tenant: str | None = None) -> Session:
@@ -348,8 +386,11 @@ class KVCacheManager:
 
     # -- checking ----------------------------------------------------------------------------
     def check(self) -> None:
-        """Assert the pool's invariants and that references match tables and session blocks."""
+        """Assert the pool's invariants and that references match tables, session blocks, pins
+        and the blocks held by tier loads in flight."""
         self.pool.check()
         held = sum(len(t) for t in self._tables.values()) + sum(len(s.blocks) for s in self.sessions.all())
+        held += self.tiers.held_refs() + self.pins.held_refs()
+        self.pins.check()
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))
-        assert held == refs, f"tables and sessions hold {held} references but the pool counts {refs}"
+        assert held == refs, f"tables, sessions and tier loads hold {held} references but the pool counts {refs}"

@@ -1,16 +1,20 @@
 """The KV manager's side of the tiers: what to save, what a prefix lookup finds below the pool,
 and bringing found blocks back into the pool's prefix cache. Block ids and hashes only, no torch.
 
-Loading, in two steps (the request waits in the scheduler's ``loading`` set meanwhile, taking no
-token budget, and every other request keeps running)::
+Loading does not stall the step. The request waits in the scheduler's ``loading`` set, taking no
+token budget, while every other request keeps running::
 
-    step N   begin: hold the request's pool hits (so they are not evicted), allocate one block per
-             tier hit, queue LoadBlock(hash, block) ops (run before step N's forward)
-    step N   finish (RunnerOutput.loaded): blocks loaded in order are made findable by their hash;
-             from the first failed one on, nothing is; every held block is released (cached-free)
-    step N+1 the request is admitted as usual: the prefix cache now covers what was loaded
+    step N     begin: hold the request's pool hits (so they are not evicted), allocate one block
+               per tier hit, queue LoadBlock(hash, block) ops; the runner reads them from the
+               tiers on its loader thread while step N's forward runs
+    step N..M  receive (RunnerOutput.loaded): results arrive as reads finish, in any order
+    step M     the last result is in: blocks are made findable by their hash in table order, up to
+               the first failed one; every held block is released (cached-free)
+    step M+1   the request is admitted as usual: the prefix cache now covers what was loaded
 
-A request consults the tiers once; what fails to load is recomputed, never retried.
+A request consults the tiers once; what fails to load is recomputed, never retried. A request
+that ends while its loads are in flight leaves its :class:`Loading` behind until every result is
+in (the runner writes into the target blocks until then); only then are the blocks released.
 """
 
 from __future__ import annotations
@@ -28,12 +32,20 @@ from kvserve.kv.tiers.index import TierIndex
 @dataclass
 class Loading:
     """A request's blocks in flight from the tiers: ``held`` pool blocks (hits, then the loads'
-    targets, in table order) and, per load, its hash, target block and the tier it comes from."""
+    targets, in table order) and, per load, its hash, target block and the tier it comes from.
+    ``results`` fills in as the runner reports them (keyed by target block); complete when it
+    has one per load."""
 
     held: list[int]
     loads: list[tuple[BlockHash, int, str]]
     hit_tokens: dict[str, int] = field(default_factory=dict)  # filled by finish
     load_seconds: float = 0.0
+    results: dict[int, LoadResult] = field(default_factory=dict)
+    cancelled: bool = False  # its request ended; released when the last result is in
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.loads)
 
 
 class TierSeam:
@@ -48,6 +60,7 @@ class TierSeam:
         self.index = TierIndex(tiers)
         self.write = write
         self._ops = ops if ops is not None else []
+        self._in_flight: dict[int, Loading] = {}  # target block -> its loading, until reported
         if self.index and write == "back":
             pool.subscribe(self._on_pool_event)
 
@@ -72,7 +85,7 @@ class TierSeam:
         """Blocks ``start..limit-1`` of a prefix found in the tiers, in order, stopping at a miss."""
         out: list[tuple[BlockHash, str]] = []
         for h in hashes[start:limit]:
-            tier = self.index.best(h)
+            tier = self.index.probe(h)
             if tier is None:
                 break
             out.append((h, tier))
@@ -87,21 +100,51 @@ class TierSeam:
         targets = self.pool.allocate(n)
         loads = [(h, b, tier) for (h, tier), b in zip(tier_hits[:n], targets)]
         ops.extend(LoadBlock(h, b) for h, b, _ in loads)
-        return Loading(list(pool_hits) + targets, loads)
+        loading = Loading(list(pool_hits) + targets, loads)
+        self._in_flight.update((b, loading) for b in targets)
+        return loading
 
-    def finish(self, loading: Loading, results: dict[BlockHash, LoadResult]) -> None:
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def held_refs(self) -> int:
+        """Pool references the loadings in flight hold (for the manager's accounting check)."""
+        return sum(len(loading.held) for loading in {id(x): x for x in self._in_flight.values()}.values())
+
+    def receive(self, results: Iterable[LoadResult]) -> list[Loading]:
+        """Record load results; the loadings now complete are finished (their prefix made
+        findable, their blocks released) and returned, cancelled ones included."""
+        done: list[Loading] = []
+        for r in results:
+            loading = self._in_flight.pop(r.block_id, None)
+            if loading is None:
+                continue
+            loading.results[r.block_id] = r
+            if loading.complete:
+                self.finish(loading)
+                done.append(loading)
+        return done
+
+    def cancel(self, loading: Loading) -> None:
+        """The request is gone: release now if nothing is in flight, else when the last result
+        arrives (what loads correctly still joins the prefix cache)."""
+        loading.cancelled = True
+        if loading.complete:
+            self.release(loading)
+
+    def finish(self, loading: Loading) -> None:
         """Make the loaded prefix findable, then release every held block."""
         ok = True
         for h, block, _ in loading.loads:
-            r = results.get(h)
+            r = loading.results.get(block)
             ok = ok and r is not None and r.tier is not None
             if not ok:
                 break
             assert r is not None and r.tier is not None
             c = self.index.counters.get(r.tier)
             if c is not None:
-                c.loads += 1
-                c.load_seconds += r.seconds
+                c.observe_load(r.seconds)
             self.pool.cache(block, h)
             loading.hit_tokens[r.tier] = loading.hit_tokens.get(r.tier, 0) + self.block_size
             loading.load_seconds += r.seconds

@@ -125,6 +125,16 @@ def plan_command(
     scenario: Annotated[
         str | None, Opt(metavar="NAME", help="short-chat | long-doc-qa | multi-turn | high-concurrency")
     ] = None,
+    price_input: Annotated[
+        str | None, Opt(metavar="USD", help="per million computed prompt tokens (as kvserve serve --price-input)")
+    ] = None,
+    price_cached_input: Annotated[
+        str | None, Opt(metavar="USD", help="per million prompt tokens served from cache")
+    ] = None,
+    price_output: Annotated[str | None, Opt(metavar="USD", help="per million generated tokens")] = None,
+    cached_fraction: Annotated[
+        str | None, Opt(metavar="FRACTION", help="share of a typical prompt served from cache, [0, 1)")
+    ] = None,
     compare: Annotated[
         str | None, Opt(metavar="KEY=A,B,..", help="what-if: KEY=a,b,c (e.g. kv_dtype=bf16,int8,int4)")
     ] = None,
@@ -184,6 +194,10 @@ def plan_command(
         output_tokens=output_tokens,
         price_per_hour=price_per_hour,
         scenario=scenario,
+        price_input=price_input,
+        price_cached_input=price_cached_input,
+        price_output=price_output,
+        cached_fraction=cached_fraction,
     )
     if remeasure:
         cpu_measurements(refresh=True)

@@ -16,6 +16,7 @@ from kvserve.planner import units
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.planner.params import resolve_weight_dtype
 from kvserve.planner.scenarios import DEFAULTS, find_scenario
+from kvserve.pricing import Prices
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class PlanRequest:
     output_tokens: str | None = None
     price_per_hour: str | None = None
     scenario: str | None = None
+    # token prices per million (the server's --price-*): a typical request's cost
+    price_input: str | None = None
+    price_cached_input: str | None = None
+    price_output: str | None = None
+    cached_fraction: str | None = None
 
     def with_value(self, key: str, value: str) -> PlanRequest:
         """A copy with one input replaced (``--compare``); ``kv-dtype`` and ``kv_dtype`` both work."""
@@ -80,6 +86,8 @@ class Settings:
     session_idle_timeout_s: int | None
     scenario: str | None
     sources: dict[str, str] = field(default_factory=dict)
+    prices: Prices | None = None  # token prices, as kvserve serve charges them
+    cached_fraction: float = 0.0   # share of a typical prompt served from cache
     reasons: dict[str, str] = field(default_factory=dict)
 
 
@@ -179,4 +187,21 @@ def resolve_settings(req: PlanRequest, spec: ModelSpec) -> Settings:
         scenario=scenario.name if scenario else None,
         sources=sources,
         reasons=reasons,
+        prices=_prices(req),
+        cached_fraction=units.parse_fraction("--cached-fraction", req.cached_fraction or "0", allow_zero=True),
     )
+
+
+def _prices(req: PlanRequest) -> Prices | None:
+    """The token prices given (per million tokens), or None when none is."""
+    given = {k: getattr(req, f"price_{k}") for k in ("input", "cached_input", "output")}
+    if all(v is None for v in given.values()):
+        return None
+    return Prices(**{k: _price(f"--price-{k.replace('_', '-')}", v) for k, v in given.items()})
+
+
+def _price(name: str, value: str | None) -> float:
+    try:
+        return float(value or 0)
+    except ValueError:
+        raise ValueError(f"{name} must be a number (per million tokens), got {value!r}") from None

@@ -51,6 +51,7 @@ def _request(plan: Plan) -> dict[str, Any]:
         "prefill_time_s": None,
         "gib_seconds": None,
         "kv_rent_usd": None,
+        "price": _priced(plan),
     }
     if plan.perf is None:
         return out
@@ -61,6 +62,20 @@ def _request(plan: Plan) -> dict[str, Any]:
     if gib_s is not None and s.price_per_hour:
         pool_gib = plan.ledger.kv_budget_bytes * s.tp / GIB
         out["kv_rent_usd"] = s.price_per_hour * s.tp / 3600.0 * gib_s / pool_gib
+    return out
+
+
+def _priced(plan: Plan) -> dict[str, Any] | None:
+    """A typical request's cost at the token prices (the server's ``usage.cost``, same code), and
+    with a GPU-hour price, how many such requests per GPU-hour pay for the machine."""
+    s = plan.settings
+    if s.prices is None:
+        return None
+    cached = int(s.prompt_tokens * s.cached_fraction) // s.block_size * s.block_size  # whole blocks
+    cost = s.prices.cost(s.prompt_tokens, cached, s.output_tokens)
+    out: dict[str, Any] = {"cached_tokens": cached, "cost_usd": cost, "break_even_requests_per_gpu_hour": None}
+    if s.price_per_hour and cost["total"] > 0:
+        out["break_even_requests_per_gpu_hour"] = s.price_per_hour * s.tp / cost["total"]
     return out
 
 

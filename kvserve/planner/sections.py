@@ -208,4 +208,12 @@ def _request_rows(r: dict[str, Any]) -> list[list[str]]:
         rows.append(["KV memory × time", f"{r['gib_seconds']:,.3f} GiB·s"])
     if r["kv_rent_usd"] is not None:
         rows.append(["KV rent (share of the pool's price)", f"${r['kv_rent_usd']:.6f} per request"])
+    priced = r.get("price")
+    if priced is not None:
+        c = priced["cost_usd"]
+        text = (f"${c['total']:.6f}: input ${c['input']:.6f}, cached {priced['cached_tokens']:,} tokens "
+                f"${c['cached_input']:.6f}, output ${c['output']:.6f}; the cache saves ${c['saved_by_cache']:.6f}")
+        rows.append(["price per request", text])
+        if priced["break_even_requests_per_gpu_hour"] is not None:
+            rows.append(["break-even", f"{priced['break_even_requests_per_gpu_hour']:,.0f} such requests per GPU-hour"])
     return rows

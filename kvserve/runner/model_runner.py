@@ -33,6 +33,7 @@ from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.inputs import ModelInputs, build_inputs
 from kvserve.runner.sampler import Sampler
 from kvserve.runner.state import RequestState, RunnerState
+from kvserve.runner.tier_loader import TierLoader
 
 log = logging.getLogger("kvserve")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +58,7 @@ class ModelRunner:
         self._tokenizer_path = tokenizer_path  # loaded on the first response_format request
         self._tokenizer: Any = None
         self.tiers = tiers
+        self.loader = TierLoader(tiers) if tiers else None
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -97,8 +99,14 @@ class ModelRunner:
             if new.sampling.response_format is not None:
                 self._attach_matcher(self.state.requests[new.request_id])
         result = RunnerOutput(out.step_id)
-        run_block_ops(self.storage, self.tiers, out.block_ops, result)
+        run_block_ops(self.storage, self.tiers, out.block_ops, result, self.loader)
         return result
+
+    def _collect_loads(self, result: RunnerOutput, idle: bool) -> None:
+        """Report the tier loads that finished while the forward ran; a step with no forward
+        waits a little for them instead of returning at once (no spin while only loads run)."""
+        if self.loader is not None:
+            self.loader.collect(self.storage, result, wait_s=0.2 if idle else 0.0)
 
     def _attach_matcher(self, state: RequestState) -> None:
         """A grammar matcher for the request's ``response_format``, advanced over the tokens it
@@ -123,11 +131,13 @@ class ModelRunner:
         """Run the model over every scheduled chunk; sample where a chunk asks for it."""
         ops = self._prepare(out)
         if not out.chunks:
+            self._collect_loads(ops, idle=True)
             return ops
         try:
             result = self._run(out.chunks)
         except Exception as batch_error:  # noqa: BLE001 - attribute it to requests, or re-raise
             result = self._isolate(out.chunks, batch_error)
+        self._collect_loads(ops, idle=False)
         result.step_id, result.tier_events, result.loaded = out.step_id, ops.tier_events, ops.loaded
         return result
 
@@ -189,7 +199,9 @@ class ModelRunner:
         return self.tiers.snapshot() if self.tiers else {}
 
     def shutdown(self) -> None:
-        """Nothing to release in-process (the process runner stops its child here)."""
+        """Stop the tier loader's thread (the process runner stops its child here)."""
+        if self.loader is not None:
+            self.loader.close()
 
 
 def _accepted(chunk: ScheduledChunk, drawn: list[tuple[int, TokenLogprobs | None]],

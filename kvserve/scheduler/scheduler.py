@@ -80,6 +80,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.kv.expire_sessions()
+        self.kv.pins.expire()
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id, finished=self._forget)
         self._forget = []
@@ -210,17 +211,16 @@ class Scheduler:
         return changed
 
     def _finish_loading(self, result: RunnerOutput) -> None:
-        """Loads this step ran: their blocks join the prefix cache; the requests go back to the
-        front of the queue, to be admitted on what is now in the pool."""
+        """Loads that finished (this step or while earlier steps ran): a request whose loads are
+        all in goes back to the front of the queue, to be admitted on what is now in the pool."""
         self.kv.tiers.apply(result.tier_events)
         if not result.loaded:
             return
-        found = {r.key: r for r in result.loaded}
+        done = {id(loading) for loading in self.kv.tiers.receive(result.loaded)}
         for rid, (req, loading) in list(self.loading.items()):
-            if not any(h in found for h, _, _ in loading.loads):
+            if id(loading) not in done:
                 continue
             del self.loading[rid]
-            self.kv.tiers.finish(loading, found)
             req.kv_hit_tokens.update(loading.hit_tokens)
             req.kv_load_seconds += loading.load_seconds
             req.status = RequestStatus.WAITING
@@ -246,7 +246,7 @@ class Scheduler:
     def _finish(self, req: Request, now: float) -> None:
         held = self.loading.pop(req.request_id, None)
         if held is not None:
-            self.kv.tiers.release(held[1])
+            self.kv.tiers.cancel(held[1])
         if req in self.running:
             self.running.remove(req)
         else:
@@ -263,7 +263,7 @@ class Scheduler:
     # -- state -------------------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.kv.tiers.loads_in_flight)
 
     @property
     def num_running(self) -> int:

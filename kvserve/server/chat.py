@@ -24,13 +24,16 @@ from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.params import (
+    cache_breakpoints,
     check_limits,
     check_response_format,
     default_chat_max_tokens,
+    refuse_caching_in_session,
     refuse_unsupported,
     sampling_params,
     session_id_of,
     usage_of,
+    uses_prompt_caching,
 )
 from kvserve.server.protocol import (
     ChatChoice,
@@ -58,6 +61,19 @@ def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
 
 
+def _prefix_tokens(tokenizer: Any, head: list[Message], ids: list[int]) -> int:
+    """How many of the prompt's tokens ``head`` (its first messages, no generation prompt) covers:
+    the common prefix of the two renderings, so a template that renders a message differently
+    when more follow can only shorten the cached prefix, never cache a wrong one."""
+    mine = tokenizer.encode(render_chat(tokenizer, head, add_generation_prompt=False), add_special_tokens=False)
+    n = 0
+    for a, b in zip(mine, ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def _messages(req: ChatCompletionRequest) -> list[Message]:
     out = []
     for m in req.messages:
@@ -83,6 +99,7 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     sid = session_id_of(req.session_id, request.headers.get("x-session-id"))
     if sid is not None and req.n != 1:
         raise APIError(400, "a session continues one conversation: use n=1 with session_id", param="n")
+    refuse_caching_in_session(req, sid)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top_n = req.top_logprobs or 0
@@ -110,7 +127,8 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
                           logprobs=chat_logprobs(state.tokenizer, c, 0, top_n),
                           token_ids=c.token_ids if req.return_token_ids else None) for c in final.outputs]
     resp = ChatCompletionResponse(id=rid, model=state.config.served_model_name, choices=choices,
-                                  usage=usage_of([final], state.config.prices), session_id=sid,
+                                  usage=usage_of([final], state.config.prices, uses_prompt_caching(req)),
+                                  session_id=sid,
                                   session_restarted=True if added.restarted else None,
                                   prompt_token_ids=final.prompt_token_ids if req.return_token_ids else None)
     return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
@@ -129,15 +147,19 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
     salt = state.salt(tenant, req.cache_salt)
     overflow = req.session_overflow or state.config.session_overflow
     if sid is None:
-        def encode(tok: Any) -> list[int]:
+        marks = cache_breakpoints(req)
+
+        def encode(tok: Any) -> tuple[list[int], list[tuple[int, float]]]:
             text = render_chat(tok, messages)
             state.check_bytes(text, 0, max_tokens, "messages")
-            return list(tok.encode(text, add_special_tokens=False))
+            ids = list(tok.encode(text, add_special_tokens=False))
+            return ids, [(n, ttl) for i, ttl in marks if (n := _prefix_tokens(tok, messages[:i + 1], ids))]
 
-        ids = await state.tokenizers.run(encode)
+        ids, pins = await state.tokenizers.run(encode)
         mt = max_tokens if max_tokens is not None else default_chat_max_tokens(len(ids), state.max_model_len)
         stream = await engine.add_request(ids, _with_max_tokens(params, mt), cache_salt=salt,
-                                          kv_cache_dtype=req.kv_cache_dtype)
+                                          kv_cache_dtype=req.kv_cache_dtype, cache_control=pins,
+                                          prompt_cache_key=req.prompt_cache_key)
         return _Added(stream)
     esid, sessions = state.session_id(tenant, sid), state.chat_sessions
     for attempt in range(3):
@@ -221,7 +243,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, adde
         if final is not None:
             await _record_turn(state, added, final)
         if include_usage and final is not None:
-            yield chunk([], usage=usage_of([final], state.config.prices))
+            yield chunk([], usage=usage_of([final], state.config.prices, uses_prompt_caching(req)))
         yield DONE
     except EngineDeadError as exc:
         yield error_event(503, str(exc))

@@ -120,6 +120,9 @@ def serve(
     price_cached_input: Annotated[float, typer.Option(
         "--price-cached-input", help="Price per million prompt tokens served from cache.")] = 0.0,
     price_output: Annotated[float, typer.Option("--price-output", help="Price per million generated tokens.")] = 0.0,
+    price_cache_write: Annotated[float | None, typer.Option(
+        "--price-cache-write", help="Price per million prompt tokens written to a pinned prefix "
+                                    "(prompt caching; default: the input price).")] = None,
     session_demote_after: Annotated[float | None, typer.Option(
         "--session-demote-after", help="With KV tiers: an idle session's pool blocks go after S s (default 60).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
@@ -149,7 +152,7 @@ def serve(
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
                         tokenizer_workers=tokenizer_workers,
-                        prices=Prices(price_input, price_cached_input, price_output))
+                        prices=Prices(price_input, price_cached_input, price_output, price_cache_write))
     engine = AsyncLLMEngine(LLMEngine(ecfg))
     app = create_app(engine, scfg, model_path=ecfg.model)
     tenants = sorted(set(keys.values()))

@@ -21,10 +21,12 @@ from kvserve.server.errors import APIError
 from kvserve.server.params import (
     check_limits,
     check_response_format,
+    refuse_caching_in_session,
     refuse_unsupported,
     sampling_params,
     session_id_of,
     usage_of,
+    uses_prompt_caching,
 )
 from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from kvserve.server.state import ServerState, unless_disconnected
@@ -89,6 +91,7 @@ async def _add(state: ServerState, req: CompletionRequest, prompts: list[Prompt]
                sid: str | None, tenant: str) -> list[RequestStream]:
     engine = state.engine
     salt = state.salt(tenant, req.cache_salt)
+    refuse_caching_in_session(req, sid)
     if sid is not None:
         esid = state.session_id(tenant, sid)
         overflow = req.session_overflow or state.config.session_overflow
@@ -118,7 +121,8 @@ async def _add(state: ServerState, req: CompletionRequest, prompts: list[Prompt]
             try:
                 ids = await _tokens(state, prompt, True, params.max_tokens)
                 streams.append(await engine.add_request(ids, params, cache_salt=salt,
-                                                        kv_cache_dtype=req.kv_cache_dtype))
+                                                        kv_cache_dtype=req.kv_cache_dtype,
+                                                        prompt_cache_key=req.prompt_cache_key))
             except (ValueError, APIError) as exc:
                 if len(prompts) == 1:
                     raise
@@ -152,7 +156,7 @@ def _response(state: ServerState, req: CompletionRequest, rid: str, finals: list
                 prompt_token_ids=out.prompt_token_ids if req.return_token_ids and c.index == 0 else None,
             ))
     return CompletionResponse(id=rid, model=state.config.served_model_name, choices=choices,
-                              usage=usage_of(finals, state.config.prices))
+                              usage=usage_of(finals, state.config.prices, uses_prompt_caching(req)))
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams: list[RequestStream],
@@ -181,7 +185,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, streams:
             if out.finished:
                 finals[i] = out
         if include_usage:
-            usage = usage_of([finals[i] for i in sorted(finals)], state.config.prices)
+            usage = usage_of([finals[i] for i in sorted(finals)], state.config.prices, uses_prompt_caching(req))
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
         yield DONE
     except EngineDeadError as exc:

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+from kvserve.kv.tiers.index import LOAD_BUCKETS
 from kvserve.pricing import Prices
 
 P = "kvserve:"
@@ -73,6 +75,9 @@ TIER_SERIES: list[tuple[str, str, str, str]] = [
      "gauge"),
     ("saves", "kv_tier_saves", "Block objects written to a KV tier.", "counter"),
     ("removed", "kv_tier_evictions", "Block objects a KV tier evicted or deleted.", "counter"),
+    ("hits", "kv_tier_hits", "Prefix blocks a lookup below the pool found in a KV tier (the fastest holding it).",
+     "counter"),
+    ("misses", "kv_tier_misses", "Prefix blocks a lookup below the pool did not find in a KV tier.", "counter"),
     ("loads", "kv_tier_loads", "Blocks loaded back into the pool from a KV tier.", "counter"),
     ("load_seconds", "kv_tier_load_seconds", "Time spent loading blocks from a KV tier.", "counter"),
     ("checksum_failures", "kv_tier_checksum_failures",
@@ -116,6 +121,15 @@ class _EngineCollector(Collector):
             for tier, stats in snap.tiers.items():
                 fam.add_metric([self.model_name, tier], float(stats[key]))
             yield fam
+        hist = HistogramMetricFamily(P + "kv_tier_load_latency_seconds", "Time to read, verify and write one block "
+                                     "back into the pool from a KV tier.", labels=["model_name", "tier"])
+        for tier, stats in snap.tiers.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*LOAD_BUCKETS, float("inf")), stats["load_buckets"]):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            hist.add_metric([self.model_name, tier], buckets, float(stats["load_seconds"]))
+        yield hist
 
 
 SOURCES = ("pool", "host", "disk", "remote", "computed")
@@ -163,7 +177,7 @@ class ServerMetrics:
                                "KV came from: pool, host, disk, remote (reused) or computed.",
                                ["model_name", "source"], registry=self.registry)
         self._cost = Counter(P + "cost", "What finished requests cost at the configured prices (per kind: input, "
-                             "cached_input, output; saved_by_cache is what the cache saved).",
+                             "cached_input, output, cache_write; saved_by_cache is what the cache saved).",
                              ["model_name", "kind"], registry=self.registry)
         # vLLM's names for the same events
         self.v_ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -209,9 +223,11 @@ class ServerMetrics:
         for source, n in sources_of(req).items():
             self._source.labels(model_name=self._model_name, source=source).inc(n)
         if self.prices.enabled:
-            cost = self.prices.cost(req.prompt_tokens, req.cached_tokens, req.generation_tokens)
-            for kind in ("input", "cached_input", "output", "saved_by_cache"):
-                self._cost.labels(model_name=self._model_name, kind=kind).inc(cost[kind])
+            cost = self.prices.cost(req.prompt_tokens, req.cached_tokens, req.generation_tokens,
+                                    req.cache_write_tokens)
+            for kind in ("input", "cached_input", "output", "saved_by_cache", "cache_write"):
+                if kind in cost:
+                    self._cost.labels(model_name=self._model_name, kind=kind).inc(cost[kind])
         reason = str(req.finish_reason)
         self._finished.labels(model_name=self._model_name, finish_reason=reason).inc()
         self._v_finished.labels(model_name=self._model_name, finished_reason=reason).inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvserve.kv.prefix_pins import MAX_BREAKPOINTS, TTLS
 from kvserve.pricing import Prices
 from kvserve.request import RequestOutput
 from kvserve.runner.logits_processors import bad_words_token_ids
@@ -53,6 +54,29 @@ def refuse_unsupported(req: Req) -> None:
         if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
             raise APIError(400, f"messages[{i}]: only text content parts are supported",
                            param=f"messages.{i}.content")
+
+
+def cache_breakpoints(req: Req) -> list[tuple[int, float]]:
+    """(message index, TTL seconds) of each ``cache_control`` marker of a chat request, checked:
+    at most four, and none on a session turn (the session keeps its history's KV itself)."""
+    if isinstance(req, CompletionRequest):
+        return []
+    marks = [(i, TTLS[m.ttl]) for i, msg in enumerate(req.messages) if (m := msg.cache_marker()) is not None]
+    if len(marks) > MAX_BREAKPOINTS:
+        raise APIError(400, f"at most {MAX_BREAKPOINTS} cache_control breakpoints per request, got {len(marks)}",
+                       param="messages")
+    return marks
+
+
+def uses_prompt_caching(req: Req) -> bool:
+    return req.prompt_cache_key is not None or bool(cache_breakpoints(req))
+
+
+def refuse_caching_in_session(req: Req, sid: str | None) -> None:
+    if sid is not None and uses_prompt_caching(req):
+        raise APIError(400, "cache_control and prompt_cache_key do not apply to session turns: the session "
+                            "already keeps its history's KV; drop them or drop session_id",
+                       param="prompt_cache_key" if req.prompt_cache_key is not None else "messages")
 
 
 def _limit(count: int, limit: int, what: str, param: str) -> None:
@@ -164,8 +188,10 @@ def default_chat_max_tokens(prompt_tokens: int, max_model_len: int) -> int:
     return room
 
 
-def usage_of(outputs: list[RequestOutput], prices: Prices | None = None) -> Usage:
-    """Prompt tokens count once per prompt (not per sample); cached tokens are prefix/session hits."""
+def usage_of(outputs: list[RequestOutput], prices: Prices | None = None, prompt_caching: bool = False) -> Usage:
+    """Prompt tokens count once per prompt (not per sample); cached tokens are prefix/session hits.
+    ``prompt_caching`` (the request used ``cache_control`` or ``prompt_cache_key``): the usage
+    also splits cache writes from cache reads."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
@@ -175,6 +201,10 @@ def usage_of(outputs: list[RequestOutput], prices: Prices | None = None) -> Usag
             hits[place] = hits.get(place, 0) + n
     kv = KVUsage(hit_tokens=hits, recomputed_tokens=prompt - cached,
                  load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3))
-    cost = prices.cost(prompt, cached, completion) if prices is not None and prices.enabled else None
+    written = sum(o.cache_write_tokens for o in outputs)
+    cost = prices.cost(prompt, cached, completion, written) if prices is not None and prices.enabled else None
+    split = {"cache_creation_input_tokens": written, "cache_read_input_tokens": cached} if prompt_caching else {}
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), kv=kv, cost=cost)
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached,
+                                                           cache_write_tokens=written if prompt_caching else None),
+                 kv=kv, cost=cost, **split)

@@ -37,6 +37,14 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class CacheControl(_Request):
+    """A prompt-caching breakpoint: the prompt up to the end of this message (or content part)
+    stays cached for ``ttl``, refreshed by every hit (docs/tiers.md)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class _SamplingRequest(_Request):
     model: str | None = None
     n: int = 1
@@ -70,6 +78,7 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = None
     kv_cache_dtype: str | None = None
     return_token_ids: bool = False
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -85,6 +94,7 @@ class ContentPart(_Request):
     model_config = ConfigDict(strict=True, extra="ignore")  # non-text parts are refused by type
     type: str
     text: str | None = None
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(_Request):
@@ -93,6 +103,15 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_call_id: str | None = None  # accepted, ignored (the template sees the content)
     tool_calls: SkipJsonSchema[list[Any] | None] = None  # refused when non-empty
+    cache_control: CacheControl | None = None
+
+    def cache_marker(self) -> CacheControl | None:
+        """This message's breakpoint: its own, or its last content part's that has one."""
+        if self.cache_control is not None:
+            return self.cache_control
+        if isinstance(self.content, list):
+            return next((p.cache_control for p in reversed(self.content) if p.cache_control is not None), None)
+        return None
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused by the caller."""
@@ -129,6 +148,7 @@ class _Response(BaseModel):
 
 class PromptTokensDetails(_Response):
     cached_tokens: int
+    cache_write_tokens: int | None = None  # prompt caching: tokens written to a pinned prefix
 
 
 class KVUsage(_Response):
@@ -147,6 +167,9 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails
     kv: KVUsage | None = None
     cost: dict[str, float] | None = None  # with prices configured: input, cached_input, output, total, saved_by_cache
+    # the prompt-caching API's split, in the names hosted APIs use (set when the request used it)
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -87,6 +87,10 @@ BAD = [
         "the kvserve engine does not run Gemma2ForCausalLM",
     ),
     ([], "--model is required"),
+    (["--model", "llama-3-8b", "--hardware", "h100", "--price-input", "cheap"], "--price-input must be a number"),
+    (["--model", "llama-3-8b", "--hardware", "h100", "--price-output", "-1"], "price_output must be a number >= 0"),
+    (["--model", "llama-3-8b", "--hardware", "h100", "--price-input", "1", "--cached-fraction", "1.5"],
+     "--cached-fraction must be in [0, 1)"),
 ]
 
 

@@ -43,7 +43,19 @@ class Tier(Protocol):
         itself if it could not be stored)."""
         ...
 
-    def get(self, key: bytes) -> bytes | None: ...
+    def get(self, key: bytes) -> bytes | None:
+        """``read`` then ``note_read``."""
+        ...
+
+    def read(self, key: bytes) -> bytes | None:
+        """The object's bytes, or None: the I/O only, safe beside the tier's other operations
+        (the caller serialises the bookkeeping, not the read)."""
+        ...
+
+    def note_read(self, key: bytes, data: bytes | None) -> None:
+        """The bookkeeping of a ``read``: hit/miss counts, recency; a key whose object vanished
+        is forgotten."""
+        ...
 
     def delete(self, key: bytes) -> None: ...
 
@@ -110,6 +122,24 @@ class LocalTier:
 
     def _touch(self, key: bytes) -> None:
         self._order.touch(key)  # type: ignore[arg-type]
+
+    def get(self, key: bytes) -> bytes | None:
+        data = self.read(key)
+        self.note_read(key, data)
+        return data
+
+    def read(self, key: bytes) -> bytes | None:
+        raise NotImplementedError
+
+    def note_read(self, key: bytes, data: bytes | None) -> None:
+        if data is None:
+            self.stats.misses += 1
+            if key in self._sizes:  # indexed, but its object could not be read: gone
+                self._forget(key)
+            return
+        self.stats.hits += 1
+        if key in self._sizes:
+            self._touch(key)
 
     def delete(self, key: bytes) -> None:
         """Remove ``key`` for good (a corrupt object: never handed to the next tier)."""

@@ -78,19 +78,13 @@ class DiskTier(LocalTier):
         self.stats.saves += 1
         return evicted
 
-    def get(self, key: bytes) -> bytes | None:
+    def read(self, key: bytes) -> bytes | None:
         if key not in self:
-            self.stats.misses += 1
             return None
         try:
-            data = self._path(key).read_bytes()
-        except OSError:
-            self._forget(key)
-            self.stats.misses += 1
+            return self._path(key).read_bytes()
+        except OSError:  # evicted meanwhile, or unreadable: a miss
             return None
-        self.stats.hits += 1
-        self._touch(key)
-        return data
 
     def _drop_bytes(self, key: bytes) -> None:
         path = self._path(key)

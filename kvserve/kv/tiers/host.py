@@ -20,14 +20,8 @@ class HostTier(LocalTier):
             self.stats.saves += 1
         return evicted
 
-    def get(self, key: bytes) -> bytes | None:
-        data = self._data.get(key)
-        if data is None:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self._touch(key)
-        return data
+    def read(self, key: bytes) -> bytes | None:
+        return self._data.get(key)
 
     def _drop_bytes(self, key: bytes) -> None:
         data = self._data.pop(key, None)

@@ -6,25 +6,40 @@ it knows about evictions and corrupt objects deleted below it. Plain Python, no 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.contract.records import TierEvent
 
 TIER_ORDER = ("host", "disk", "remote")
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)  # seconds
 
 
 @dataclass
 class TierCounters:
-    """What a tier did, as the scheduler side saw it (tier events and load results)."""
+    """What a tier did, as the scheduler side saw it (tier events, lookups and load results).
+
+    A lookup below the pool probes the tiers in order for each block of the prefix: the first
+    tier holding it counts a hit, every faster tier a miss; the block that ends the lookup (no
+    tier holds it) is a miss in every tier. ``load_buckets[i]`` counts loads that took at most
+    ``LOAD_BUCKETS[i]`` seconds (and more than the bucket before); the last slot counts the rest."""
 
     bytes: int = 0
     saves: int = 0
     removed: int = 0
+    hits: int = 0
+    misses: int = 0
     loads: int = 0
     load_seconds: float = 0.0
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))
     checksum_failures: int = 0
     up: bool = True
+
+    def observe_load(self, seconds: float) -> None:
+        self.loads += 1
+        self.load_seconds += seconds
+        self.load_buckets[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
 
 
 class TierIndex:
@@ -67,6 +82,17 @@ class TierIndex:
     def mark(self, tier: str, keys: Iterable[bytes]) -> None:
         """Believe ``tier`` holds ``keys`` (a remote tier this process cannot list)."""
         self._held[tier].update(keys)
+
+    def probe(self, key: bytes) -> str | None:
+        """:meth:`best`, counted as a lookup: a hit in the tier found, a miss in each one above
+        it (in every tier when none holds ``key``)."""
+        tier = self.best(key)
+        for t in self.tiers:
+            if t == tier:
+                self.counters[t].hits += 1
+                break
+            self.counters[t].misses += 1
+        return tier
 
     def best(self, key: bytes) -> str | None:
         """The fastest tier holding ``key``."""

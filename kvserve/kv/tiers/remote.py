@@ -80,19 +80,25 @@ class RemoteTier:
         return []
 
     def get(self, key: bytes) -> bytes | None:
+        data = self.read(key)
+        self.note_read(key, data)
+        return data
+
+    def read(self, key: bytes) -> bytes | None:
         if not self.up:
-            self.stats.misses += 1
             return None
         try:
             data = self._client.get(PREFIX + key)
         except self._errors:
             self._fail()
             return None
+        return None if data is None else bytes(data)
+
+    def note_read(self, key: bytes, data: bytes | None) -> None:
         if data is None:
             self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        return bytes(data)
+        else:
+            self.stats.hits += 1
 
     def delete(self, key: bytes) -> None:
         if self.up:

@@ -5,11 +5,17 @@ block that reached the pool's prefix cache is on disk before the next step runs,
 loses at most the last step's blocks); ``load`` reads the first tier that has it, verifies the
 object, and on a checksum or root-key failure deletes it there, counts it and tries the next tier.
 Every change of what a tier holds is returned as a :class:`TierEvent` for the scheduler's index.
+
+Thread-safe: loads run on the runner's loader thread (``kvserve.runner.tier_loader``) while saves
+run on the step's thread. One lock serialises the bookkeeping (indexes, recency, health); a load's
+read (a file, a Redis round trip) and its checksum run outside it, so a slow or stuck read never
+holds up a save, and so never the step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from kvserve.contract.block_ops import BlockPayload
@@ -31,6 +37,7 @@ class TierStack:
             if write == "back" and hasattr(tier, "spill"):
                 tier.spill = {}
         self._up = {t.name: True for t in tiers}
+        self._lock = threading.Lock()
 
     def _health(self, tier: Tier, events: list[TierEvent]) -> bool:
         """Whether ``tier`` is up now; a change since last seen becomes an "up"/"down" event."""
@@ -48,11 +55,12 @@ class TierStack:
         what a tier evicts to make room goes down to the next (host → disk → remote)."""
         data = object_format.encode(payload, root=self.root, block_hash=key, parent=parent)
         events: list[TierEvent] = []
-        if self.write == "through":
-            for i in range(len(self.tiers)):
-                self._put(i, key, data, events)
-        else:
-            self._put(0, key, data, events)
+        with self._lock:
+            if self.write == "through":
+                for i in range(len(self.tiers)):
+                    self._put(i, key, data, events)
+            else:
+                self._put(0, key, data, events)
         return events
 
     def _put(self, i: int, key: bytes, data: bytes, events: list[TierEvent]) -> None:
@@ -76,26 +84,36 @@ class TierStack:
                 self._put(i + 1, k, d, events)
 
     def load(self, key: bytes) -> tuple[BlockPayload | None, str | None, list[TierEvent]]:
+        """The block's payload from the fastest tier holding a valid object, its tier's name and
+        what changed (a corrupt object deleted, a tier found down); (None, None, events) if none."""
         events: list[TierEvent] = []
         for tier in self.tiers:
             t0 = time.perf_counter()
-            data = tier.get(key) if self._health(tier, events) else None
-            self._health(tier, events)
+            with self._lock:
+                up = self._health(tier, events)
+            data = tier.read(key) if up else None
+            with self._lock:
+                if up:
+                    tier.note_read(key, data)
+                self._health(tier, events)
             if data is None:
                 continue
             try:
                 _, payload = object_format.decode(data, root=self.root, block_hash=key)
             except object_format.CorruptBlock as exc:
                 log.warning("KV tier %s: corrupt block object %s deleted (%s)", tier.name, key.hex()[:12], exc)
-                tier.stats.checksum_failures += 1
-                tier.delete(key)
+                with self._lock:
+                    tier.stats.checksum_failures += 1
+                    tier.delete(key)
                 events += [TierEvent("corrupt", tier.name, key), TierEvent("removed", tier.name, key)]
                 continue
-            tier.stats.loads += 1
-            tier.stats.load_seconds += time.perf_counter() - t0
+            with self._lock:
+                tier.stats.loads += 1
+                tier.stats.load_seconds += time.perf_counter() - t0
             return payload, tier.name, events
         return None, None, events
 
     def snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local tier holds now, (key, object size) (the remote tier is not listed)."""
-        return {t.name: t.sized_keys() for t in self.tiers if t.name != "remote"}  # type: ignore[attr-defined]
+        with self._lock:
+            return {t.name: t.sized_keys() for t in self.tiers if t.name != "remote"}  # type: ignore[attr-defined]
