@@ -12,27 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.machine import cpu_info
 from kvserve.engine.llm import resolve_model_path
-
-
-def cpu_info() -> dict[str, object]:
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-                break
-    except OSError:
-        pass
-    return {"model": model, "flags": sorted(set(flags))}
 
 
 def decode_step_ms(llm: LLM, batch: int, steps: int) -> list[float]:

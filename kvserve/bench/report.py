@@ -48,6 +48,9 @@ def summary_table(doc: dict) -> Table:
 def print_report(doc: dict, console: Console | None = None) -> None:
     console = console or Console()
     turns = doc["config"]["turns"]
+    cpu = doc.get("cpu")
+    if cpu:
+        console.print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {doc.get('threads')}")
     console.print(turns_table(doc, every=max(1, turns // 10)))
     console.print(summary_table(doc))
     tiers = doc["summary"].get("session-tiers", {})

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import psutil
+import torch
 
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
@@ -170,9 +171,11 @@ def run(cfg: TurnsConfig, progress: Callable[[str, int], None] | None = None,
     ``on_mode_done`` gets the partial document after each mode (so a long run that is stopped
     keeps what it measured)."""
     from kvserve.bench import hf_reference
+    from kvserve.bench.machine import cpu_info
 
     modes: dict[str, dict] = {}
-    doc: dict = {"config": asdict(cfg), "modes": modes, "summary": {}}
+    doc: dict = {"config": asdict(cfg), "cpu": cpu_info(), "threads": torch.get_num_threads(), "modes": modes,
+                 "summary": {}}
     for mode in cfg.modes:
         cb = (lambda t, m=mode: progress(m, t)) if progress else None
         if mode in ENGINE_MODES:

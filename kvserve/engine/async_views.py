@@ -67,6 +67,13 @@ class EngineSnapshot:
     token_capacity: int
     max_model_len: int
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)  # per KV tier: blocks, bytes, saves …
+    # the prompt-caching API's pins (kvserve.kv.prefix_pins)
+    prompt_cache_pins: int = 0
+    prompt_cache_pinned_blocks: int = 0
+    prompt_cache_pins_created: int = 0
+    prompt_cache_pins_refreshed: int = 0
+    prompt_cache_pins_expired: int = 0
+    prompt_cache_pins_evicted: int = 0
 
     @property
     def kv_usage_ratio(self) -> float:
@@ -99,8 +106,15 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         sessions_active=st.sessions_active, sessions_expired=st.sessions_expired,
         sessions_evicted=st.sessions_evicted, kv_bytes_per_token=cap.bytes_per_token,
         token_capacity=cap.token_capacity, max_model_len=engine.max_model_len,
-        tiers=tier_stats(engine),
+        tiers=tier_stats(engine), **pin_stats(engine),
     )
+
+
+def pin_stats(engine: LLMEngine) -> dict[str, int]:
+    pins = engine.kv.pins
+    return {"prompt_cache_pins": len(pins), "prompt_cache_pinned_blocks": pins.held_refs(),
+            "prompt_cache_pins_created": pins.stats.created, "prompt_cache_pins_refreshed": pins.stats.refreshed,
+            "prompt_cache_pins_expired": pins.stats.expired, "prompt_cache_pins_evicted": pins.stats.evicted}
 
 
 def tier_stats(engine: LLMEngine) -> dict[str, dict[str, Any]]:

@@ -58,6 +58,9 @@ GAUGES: list[tuple[str, str, str]] = [
      "sessions_active"),
     ("kv_bytes_per_token", "Bytes of KV one token costs across all layers.", "kv_bytes_per_token"),
     ("kv_token_capacity", "Tokens the KV pool can hold (blocks x block size).", "token_capacity"),
+    ("prompt_cache_pins", "Prefixes pinned by the prompt-caching API (cache_control, prompt_cache_key).",
+     "prompt_cache_pins"),
+    ("prompt_cache_pinned_blocks", "Block references the prompt-caching pins hold.", "prompt_cache_pinned_blocks"),
 ]
 ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
@@ -65,6 +68,12 @@ ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.", "num_preemptions"),
     ("sessions_expired", "Sessions whose KV was released after the idle timeout.", "sessions_expired"),
     ("sessions_evicted", "Sessions whose KV was released under memory pressure.", "sessions_evicted"),
+    ("prompt_cache_pins_created", "Prefixes pinned anew (cache writes).", "prompt_cache_pins_created"),
+    ("prompt_cache_pins_refreshed", "Pin deadlines pushed back by a hit or a repeated breakpoint.",
+     "prompt_cache_pins_refreshed"),
+    ("prompt_cache_pins_expired", "Pins released when their TTL passed.", "prompt_cache_pins_expired"),
+    ("prompt_cache_pins_evicted", "Pins released early: memory pressure or the pins' budget.",
+     "prompt_cache_pins_evicted"),
 ]
 
 # (stats key, metric name, help, kind) per KV tier

@@ -5,6 +5,7 @@ names hosted APIs use, priced apart; misuse is a 400 with an OpenAI-style body."
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,15 @@ def test_a_marked_system_prompt_is_written_once_then_read(srv: LiveServer) -> No
     assert second["prompt_tokens_details"]["cached_tokens"] == second["cache_read_input_tokens"]
     plain = chat(srv, [{"role": "user", "content": "no caching asked"}]).json()["usage"]
     assert "cache_creation_input_tokens" not in plain and "cache_write_tokens" not in plain["prompt_tokens_details"]
+    deadline = time.monotonic() + 5
+    while True:  # the engine snapshot behind /metrics is refreshed every 0.25 s
+        m = srv.metrics()
+        if m.get(("kvserve:prompt_cache_pins_created_total", ()), 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert m[("kvserve:prompt_cache_pins", ())] >= 1 and m[("kvserve:prompt_cache_pinned_blocks", ())] >= written // 4
+    assert m[("kvserve:prompt_cache_pins_refreshed_total", ())] >= 1
+    assert m[("kvserve:cost_total", (("kind", "cache_write"),))] >= written * 1.25
 
 
 def test_a_content_part_marker_and_the_streamed_usage(srv: LiveServer) -> None:
