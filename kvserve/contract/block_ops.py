@@ -34,6 +34,7 @@ class SaveBlock(msgspec.Struct, frozen=True, tag="save"):
 class LoadBlock(msgspec.Struct, frozen=True, tag="load"):
     key: bytes
     block_id: int
+    tier: str = ""  # where the scheduler's index last saw it (a hint: the runner reads the fastest valid copy)
 
 
 class SendBlocks(msgspec.Struct, frozen=True, tag="send"):

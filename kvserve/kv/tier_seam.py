@@ -99,7 +99,7 @@ class TierSeam:
         self.pool.touch(list(pool_hits))
         targets = self.pool.allocate(n)
         loads = [(h, b, tier) for (h, tier), b in zip(tier_hits[:n], targets)]
-        ops.extend(LoadBlock(h, b) for h, b, _ in loads)
+        ops.extend(LoadBlock(h, b, tier) for h, b, tier in loads)
         loading = Loading(list(pool_hits) + targets, loads)
         self._in_flight.update((b, loading) for b in targets)
         return loading

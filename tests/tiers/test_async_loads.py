@@ -1,8 +1,9 @@
 """Tier loads do not stall the step: while one request's blocks are read from a (deliberately
-slow) tier, other requests are admitted, decode and finish; the loading request then runs on the
-loaded KV with the tokens of an uncached run. A request that ends mid-load leaves its target
-blocks held until the reads report, then every block comes back. Accounting is checked after
-every step."""
+slow) remote tier, a real Redis, other requests are admitted, decode and finish; the loading
+request then runs on the loaded KV with the tokens of an uncached run. A request that ends
+mid-load leaves its target blocks held until the reads report, then every block comes back. A
+step with nothing but loads from a local tier reads them on the step's own thread. Accounting is
+checked after every step."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def gated(llm: LLM) -> threading.Event:
-    """Make the host tier's reads wait for the returned event (the runner's loader thread blocks)."""
+    """Make the remote tier's reads wait for the returned event (the loader thread blocks)."""
     tier = llm.engine.runner.tiers.tiers[0]
+    assert tier.name == "remote"
     gate, read = threading.Event(), tier.read
 
     def slow_read(key: bytes) -> bytes | None:
@@ -53,17 +55,17 @@ def step_until(llm: LLM, rid: str, done: dict, limit: int) -> None:  # type: ign
             return
 
 
-def primed(model: Path) -> LLM:
-    llm = LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1, kv_host_memory="8MiB")
+def primed(model: Path, **tier: str) -> LLM:
+    llm = LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1, **tier)  # type: ignore[arg-type]
     run(llm, A)
-    evict_a(llm)  # A's blocks now live in the host tier only
+    evict_a(llm)  # A's blocks now live in the tier only
     return llm
 
 
-def test_other_requests_run_to_completion_while_a_load_is_in_flight(model: Path) -> None:
+def test_other_requests_run_to_completion_while_a_load_is_in_flight(model: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
     reference = run(LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1), A)[0]
     other_reference = run(LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1), OTHER)[0]
-    llm = primed(model)
+    llm = primed(model, kv_remote=redis_server.url)
     gate = gated(llm)
     eng = llm.engine
     a = eng.add_request(A, GREEDY)
@@ -79,13 +81,13 @@ def test_other_requests_run_to_completion_while_a_load_is_in_flight(model: Path)
     step_until(llm, a, done, 200)
     out = done[a]
     assert out.outputs[0].token_ids == reference
-    assert out.kv_hit_tokens.get("host", 0) >= 14 * 4 - 4
-    c = eng.kv.tiers.index.counters["host"]
+    assert out.kv_hit_tokens.get("remote", 0) >= 14 * 4 - 4
+    c = eng.kv.tiers.index.counters["remote"]
     assert c.loads >= 13 and sum(c.load_buckets) == c.loads and c.hits >= c.loads and c.misses >= 1
 
 
-def test_a_request_aborted_mid_load_returns_every_block(model: Path) -> None:
-    llm = primed(model)
+def test_a_request_aborted_mid_load_returns_every_block(model: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    llm = primed(model, kv_remote=redis_server.url)
     gate = gated(llm)
     eng = llm.engine
     a = eng.add_request(A, GREEDY)
@@ -106,9 +108,25 @@ def test_a_request_aborted_mid_load_returns_every_block(model: Path) -> None:
     assert hits.get("pool", 0) >= 14 * 4 - 4 and tokens  # what was loaded serves the next request
 
 
+def test_an_idle_step_reads_local_tiers_on_its_own_thread(model: Path) -> None:
+    reference = run(LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1), A)[0]
+    llm = primed(model, kv_host_memory="8MiB")
+    tier, readers = llm.engine.runner.tiers.tiers[0], set()
+    read = tier.read
+
+    def watched(key: bytes) -> bytes | None:
+        readers.add(threading.current_thread().name)
+        return read(key)
+
+    tier.read = watched
+    tokens, hits, _ = run(llm, A)
+    assert tokens == reference and hits.get("host", 0) >= 14 * 4 - 4
+    assert threading.main_thread().name in readers  # nothing else ran: no hand-off to the loader thread
+
+
 def test_a_tier_that_raises_is_a_miss_not_a_failed_request(model: Path) -> None:
     reference = run(LLM(str(model), dtype="float32", num_blocks=24, block_size=4, num_threads=1), A)[0]
-    llm = primed(model)
+    llm = primed(model, kv_host_memory="8MiB")
     tier = llm.engine.runner.tiers.tiers[0]
 
     def broken(key: bytes) -> bytes | None:
