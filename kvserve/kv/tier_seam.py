@@ -15,7 +15,7 @@ A request consults the tiers once; what fails to load is recomputed, never retri
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.contract import BlockOp, LoadBlock, LoadResult, SaveBlock, TierEvent
@@ -48,6 +48,7 @@ class TierSeam:
         self.index = TierIndex(tiers)
         self.write = write
         self._ops = ops if ops is not None else []
+        self.subscribers: list[Callable[[list[TierEvent]], None]] = []  # a replica's router feed
         if self.index and write == "back":
             pool.subscribe(self._on_pool_event)
 
@@ -59,7 +60,11 @@ class TierSeam:
         return bool(self.index)
 
     def apply(self, events: Iterable[TierEvent]) -> None:
+        """Update the index, then tell each subscriber the same events, in order."""
+        events = list(events)
         self.index.apply(events)
+        for sub in self.subscribers:
+            sub(events)
 
     def save_op(self, block_id: int, block_hash: BlockHash, parent: BlockHash) -> SaveBlock | None:
         """Write-through: a block that just became findable in the pool goes to the tiers, unless

@@ -1,0 +1,391 @@
+"""N engine replicas (Ray actors) behind the interface the server uses of :class:`AsyncLLMEngine`.
+
+::
+
+    HTTP handlers ── add_request ──► refresh: poll every live replica (its cache events + load)
+                                     route:   policy.choose(RouteQuery, loads) → Decision
+                                     stream:  replica.generate (a Ray streaming call) ──► pump task
+                  ◄── RequestStream ◄──────────────────────────────────────────────────┘
+
+Invariants:
+  * the router's index is fed only by the replicas' polls, applied in order under one lock; a
+    replica answering with a new epoch (Ray restarted it) or a gap is re-read from a snapshot;
+  * a session's turns go to its owner while the owner is up; when it is not, the session is
+    looked up on the live replicas and else adopted by one from the shared session store;
+  * a replica that dies ends each of its in-flight streams with :class:`ReplicaUnavailable`
+    (a 503 the client may retry), and is dropped from routing and from the index; no stream hangs;
+  * only the front end's event loop touches this object (Ray calls are awaited on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.cluster.index import BlockIndex, IndexGap
+from kvserve.cluster.records import Decision, ReplicaLoad, RouteQuery
+from kvserve.cluster.replica import ReplicaInfo
+from kvserve.cluster.router import NoReplica, RouterConfig, make_policy
+from kvserve.cluster.snapshots import merge_snapshots
+from kvserve.cluster.view import EngineView
+from kvserve.engine.async_engine import (
+    EngineDeadError,
+    EngineListener,
+    EngineSnapshot,
+    RequestStream,
+    SessionInfo,
+    _Live,
+    observe,
+)
+from kvserve.kv.hashing import hash_full_blocks, request_root
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve.cluster")
+
+
+class ReplicaUnavailable(EngineDeadError):
+    """The replica serving a request died or no replica is up; retrying the request is safe."""
+
+
+@dataclass
+class _Replica:
+    name: str
+    handle: Any
+    epoch: str
+    up: bool = True
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One routing decision, for the offline oracle: the prompt's hashes, where it went, and each
+    replica's event sequence number when it was decided."""
+
+    block_hashes: tuple[bytes, ...]
+    decision: Decision
+    seqs: dict[str, int]
+
+
+def _actor_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rx
+
+    return (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError)
+
+
+class ReplicaSet:
+    def __init__(self, handles: dict[str, Any], infos: dict[str, ReplicaInfo], tokenizer: Any,
+                 router: RouterConfig | None = None, poll_timeout_s: float = 2.0,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        first = infos[min(infos)]
+        self.info = first
+        self.engine = EngineView.of(first, tokenizer)
+        self.router_config = router or RouterConfig()
+        self.index = BlockIndex()
+        self.policy = make_policy(self.router_config, self.index)
+        self.replicas = {n: _Replica(n, h, infos[n].epoch) for n, h in handles.items()}
+        self.listeners: list[EngineListener] = []
+        self.error: BaseException | None = None
+        self.poll_timeout_s = poll_timeout_s
+        self.decision_log: list[DecisionRecord] = []
+        self.owners: dict[str, str] = {}        # session → replica that serves it
+        self._where: dict[str, str] = {}        # in-flight request → replica
+        self._pending_adds = 0
+        self._ids = 0
+        self._lock: asyncio.Lock | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._on_shutdown = on_shutdown
+        self._errors = _actor_errors()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background poller (keeps loads and the index fresh between requests)."""
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        import ray
+
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        for r in self.replicas.values():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(r.handle, no_restart=True)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return any(r.up for r in self.replicas.values())
+
+    def up(self) -> list[str]:
+        return sorted(n for n, r in self.replicas.items() if r.up)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.load.num_waiting for r in self.replicas.values() if r.up) + self._pending_adds
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids}"
+
+    # -- the index ---------------------------------------------------------------------------
+    async def refresh(self, names: list[str] | None = None) -> None:
+        """Poll replicas (default: the live ones) and apply what they report, in order."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            todo = names if names is not None else self.up()
+            await asyncio.gather(*(self._refresh_one(self.replicas[n]) for n in todo))
+
+    async def _refresh_one(self, r: _Replica) -> None:
+        since = self.index.seq.get(r.name, -1)
+        try:
+            epoch, poll = await self._ask(r, r.handle.poll.remote(since))
+            if epoch != r.epoch:  # Ray restarted it: what we knew is gone
+                self.index.drop(r.name)
+                r.epoch = epoch
+                epoch, poll = await self._ask(r, r.handle.poll.remote(-1))
+            try:
+                self.index.apply(r.name, poll)
+            except IndexGap:
+                _, poll = await self._ask(r, r.handle.poll.remote(-1))
+                self.index.apply(r.name, poll)
+        except TimeoutError:
+            return  # slow this round: routing uses what it knew
+        except self._errors as exc:
+            self._mark_down(r, exc)
+            return
+        if not r.up:
+            log.warning("replica %s is back (epoch %s)", r.name, r.epoch[:8])
+        r.up, r.load, r.error = True, poll.load, None
+
+    async def _ask(self, r: _Replica, ref: Any) -> Any:
+        return await asyncio.wait_for(ref, self.poll_timeout_s)
+
+    def _mark_down(self, r: _Replica, exc: BaseException | str) -> None:
+        if r.up:
+            log.warning("replica %s is down: %s", r.name, str(exc).splitlines()[0][:200])
+        r.up, r.error = False, str(exc).splitlines()[0][:200]
+        self.policy.forget_replica(r.name)
+        self.index.drop(r.name)
+        for sid in [s for s, o in self.owners.items() if o == r.name]:
+            del self.owners[sid]
+        if not self.alive:
+            self.error = ReplicaUnavailable(f"no replica is up (last: {r.name}: {r.error})")
+
+    async def _poll_forever(self, every_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.refresh(sorted(self.replicas))  # down ones too: Ray may have restarted them
+            except Exception:
+                log.exception("replica poll failed")
+
+    def restart_router(self) -> None:
+        """Forget the index and the policy's state (as a restarted router would); the next
+        refresh rebuilds the index from the replicas' snapshots. Sessions keep their owners."""
+        self.index = BlockIndex()
+        self.policy = make_policy(self.router_config, self.index)
+
+    # -- routing -----------------------------------------------------------------------------
+    def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
+        ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=True)) if isinstance(prompt, str) \
+            else [int(t) for t in prompt]
+        root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
+        return tuple(hash_full_blocks(ids, self.info.block_size, root))
+
+    async def route(self, query: RouteQuery) -> Decision:
+        await self.refresh()
+        owner = self.owners.get(query.session_id) if query.session_id is not None else None
+        loads = {n: self.replicas[n].load for n in self.up()}
+        if not loads:
+            raise ReplicaUnavailable("no replica is up; retry later")
+        try:
+            if owner in loads and self.router_config.policy != "kv":
+                decision = Decision(owner, "sticky")
+                self.policy.decisions["sticky"] += 1
+            else:
+                decision = self.policy.choose(query, loads)
+        except NoReplica as exc:
+            raise ReplicaUnavailable(str(exc)) from None
+        self.decision_log.append(DecisionRecord(query.block_hashes, decision, dict(self.index.seq)))
+        if query.session_id is not None:
+            self.owners[query.session_id] = decision.replica
+        return decision
+
+    async def add_request(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
+                          session_id: str | None = None, cache_salt: str | None = None,
+                          kv_cache_dtype: str | None = None, session_overflow: str | None = None,
+                          tenant: str | None = None, restart_session: bool = False,
+                          expect_session_tokens: int | None = None, check_session: bool = False,
+                          on_done: Callable[[RequestOutput | None], None] | None = None,
+                          routing_key: str | None = None) -> RequestStream:
+        """:meth:`AsyncLLMEngine.add_request` on the replica the router picks (``routing_key``:
+        what the session-hash policy hashes when there is no session, e.g. a conversation id)."""
+        rid = request_id or self.new_request_id()
+        hashes = self._hashes(prompt, cache_salt, kv_cache_dtype) if session_id is None else ()
+        self._pending_adds += params.n
+        try:
+            decision = await self.route(RouteQuery(hashes, session_id, routing_key))
+            r = self.replicas[decision.replica]
+            kwargs = {"session_id": session_id, "cache_salt": cache_salt, "kv_cache_dtype": kv_cache_dtype,
+                      "session_overflow": session_overflow, "tenant": tenant, "restart_session": restart_session,
+                      "expect_session_tokens": expect_session_tokens, "check_session": check_session}
+            arrival = time.monotonic()
+            gen = r.handle.generate.remote(rid, prompt, params, kwargs)
+            try:
+                first = await (await gen.__anext__())
+            except self._errors as exc:
+                self._mark_down(r, exc)
+                raise ReplicaUnavailable(f"replica {r.name} died before taking the request; retry") from None
+            if first[0] == "error":
+                raise first[1]
+        finally:
+            self._pending_adds -= params.n
+        stream = RequestStream(self, rid, asyncio.get_running_loop(), on_done)  # type: ignore[arg-type]
+        self._where[rid] = r.name
+        live = _Live(stream, arrival, [0] * params.n, [arrival] * params.n)
+        asyncio.get_running_loop().create_task(self._pump(r, rid, gen, live))
+        return stream
+
+    async def _pump(self, r: _Replica, rid: str, gen: Any, live: _Live) -> None:
+        stream = live.stream
+        try:
+            async for ref in gen:
+                item = await ref
+                now = time.monotonic()
+                out: RequestOutput = item[1]
+                observe(self.listeners, live, out, now)
+                if item[0] == "final":
+                    if item[2] is not None:
+                        for lis in self.listeners:
+                            lis.on_finished(item[2], now)
+                    stream.put_threadsafe(out)
+                    stream.done_threadsafe(out)
+                    return
+                stream.put_threadsafe(out)
+            raise ReplicaUnavailable(f"replica {r.name} ended the stream early")
+        except self._errors as exc:
+            self._mark_down(r, exc)
+            stream.put_threadsafe(ReplicaUnavailable(
+                f"replica {r.name} died while serving this request; retry it (the conversation is kept)"))
+            stream.done_threadsafe(None)
+        except ReplicaUnavailable as exc:
+            stream.put_threadsafe(exc)
+            stream.done_threadsafe(None)
+        finally:
+            self._where.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        name = self._where.get(request_id)
+        r = self.replicas.get(name) if name is not None else None
+        if r is not None and r.up:
+            r.handle.abort.remote(request_id)
+
+    # -- snapshots and sessions --------------------------------------------------------------
+    async def _each(self, method: str, *args: Any) -> dict[str, Any]:
+        """``method(*args)`` on every live replica; the ones that fail are marked down."""
+        names = self.up()
+        results = await asyncio.gather(*(getattr(self.replicas[n].handle, method).remote(*args) for n in names),
+                                       return_exceptions=True)
+        out = {}
+        for n, res in zip(names, results, strict=True):
+            if isinstance(res, self._errors):
+                self._mark_down(self.replicas[n], res)
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                out[n] = res
+        return out
+
+    async def snapshot(self) -> EngineSnapshot:
+        snaps = await self._each("snapshot")
+        if not snaps:
+            raise ReplicaUnavailable("no replica is up")
+        return merge_snapshots([snaps[n] for n in sorted(snaps)])
+
+    async def replica_snapshots(self) -> dict[str, EngineSnapshot]:
+        return await self._each("snapshot")
+
+    async def list_sessions(self, prefix: str | None = None) -> list[SessionInfo]:
+        found = await self._each("list_sessions", prefix)
+        by_id: dict[str, SessionInfo] = {}
+        for n in sorted(found):
+            for s in found[n]:
+                if s.session_id not in by_id or self.owners.get(s.session_id) == n:
+                    by_id[s.session_id] = s
+        return list(by_id.values())
+
+    async def session(self, session_id: str) -> SessionInfo | None:
+        """The session as its owner knows it; without a live owner, whichever live replica knows
+        it becomes the owner, else the least loaded one adopts it from the shared store."""
+        owner = self.owners.get(session_id)
+        if owner is not None and self.replicas[owner].up:
+            try:
+                return await self.replicas[owner].handle.session.remote(session_id)  # type: ignore[no-any-return]
+            except self._errors as exc:
+                self._mark_down(self.replicas[owner], exc)
+        known = {n: s for n, s in (await self._each("session", session_id)).items() if s is not None}
+        if known:
+            n = max(known, key=lambda k: (known[k].num_tokens, k))
+            self.owners[session_id] = n
+            return known[n]
+        up = self.up()
+        if not up:
+            raise ReplicaUnavailable("no replica is up; retry later")
+        target = min(up, key=lambda n: (self.replicas[n].load.in_flight, n))
+        info: SessionInfo | None = await self.replicas[target].handle.adopt_session.remote(session_id)
+        if info is not None:
+            self.owners[session_id] = target
+        return info
+
+    async def session_ids(self) -> set[str]:
+        return {s.session_id for s in await self.list_sessions()}
+
+    async def close_session(self, session_id: str) -> bool:
+        closed = await self._each("close_session", session_id)
+        self.owners.pop(session_id, None)
+        return any(closed.values())
+
+    async def set_session_meta(self, session_id: str, meta: dict[str, Any]) -> bool:
+        owner = self.owners.get(session_id)
+        if owner is None or not self.replicas[owner].up:
+            return False
+        try:
+            return await self.replicas[owner].handle.set_session_meta.remote(session_id, meta)  # type: ignore[no-any-return]
+        except self._errors as exc:
+            self._mark_down(self.replicas[owner], exc)
+            return False
+
+    def post_session_meta(self, session_id: str, meta: dict[str, Any]) -> None:
+        owner = self.owners.get(session_id)
+        if owner is not None and self.replicas[owner].up:
+            self.replicas[owner].handle.set_session_meta.remote(session_id, meta)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError("a replica set runs no function on 'the' engine; use its named methods")
+
+    post = call
+
+    async def replica_events(self) -> dict[str, list[Any]]:
+        """Every live replica's whole cache-event log (the oracle's input)."""
+        return await self._each("events")
+
+    async def kill_replica_process(self, name: str) -> int:
+        """SIGKILL a replica's process (tests, chaos): returns its pid."""
+        import os
+        import signal
+
+        info: ReplicaInfo = await self.replicas[name].handle.info.remote()
+        os.kill(info.pid, signal.SIGKILL)
+        return info.pid
