@@ -30,7 +30,7 @@ from typing import Any
 from kvserve.cluster.index import BlockIndex, IndexGap
 from kvserve.cluster.records import Decision, ReplicaLoad, RouteQuery
 from kvserve.cluster.replica import ReplicaInfo
-from kvserve.cluster.router import NoReplica, RouterConfig, make_policy
+from kvserve.cluster.router import KVRouter, NoReplica, RouterConfig, make_policy
 from kvserve.cluster.snapshots import merge_snapshots
 from kvserve.cluster.view import EngineView
 from kvserve.engine.async_engine import (
@@ -95,11 +95,13 @@ class ReplicaSet:
         self.poll_timeout_s = poll_timeout_s
         self.decision_log: list[DecisionRecord] = []
         self.owners: dict[str, str] = {}        # session → replica that serves it
+        self.served: dict[str, dict[str, int]] = {n: {} for n in handles}  # finished requests' figures
         self._where: dict[str, str] = {}        # in-flight request → replica
         self._pending_adds = 0
         self._ids = 0
         self._lock: asyncio.Lock | None = None
         self._poller: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once started
         self._on_shutdown = on_shutdown
         self._errors = _actor_errors()
 
@@ -107,7 +109,8 @@ class ReplicaSet:
     def start(self) -> None:
         """Start the background poller (keeps loads and the index fresh between requests)."""
         if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+            self.loop = asyncio.get_running_loop()
+            self._poller = self.loop.create_task(self._poll_forever())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         import ray
@@ -194,6 +197,8 @@ class ReplicaSet:
         refresh rebuilds the index from the replicas' snapshots. Sessions keep their owners."""
         self.index = BlockIndex()
         self.policy = make_policy(self.router_config, self.index)
+        if isinstance(self.policy, KVRouter):
+            self.policy.sessions.update(self.owners)
 
     # -- routing -----------------------------------------------------------------------------
     def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
@@ -204,14 +209,17 @@ class ReplicaSet:
         root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
         return tuple(hash_full_blocks(ids, self.info.block_size, root))
 
-    async def route(self, query: RouteQuery) -> Decision:
+    async def route(self, query: RouteQuery, pinned: str | None = None) -> Decision:
+        """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks)."""
         await self.refresh()
         owner = self.owners.get(query.session_id) if query.session_id is not None else None
         loads = {n: self.replicas[n].load for n in self.up()}
         if not loads:
             raise ReplicaUnavailable("no replica is up; retry later")
         try:
-            if owner in loads and self.router_config.policy != "kv":
+            if pinned is not None and pinned in loads:
+                decision = Decision(pinned, "pinned", self.index.prefix(pinned, query.block_hashes))
+            elif owner in loads and self.router_config.policy != "kv":
                 decision = Decision(owner, "sticky")
                 self.policy.decisions["sticky"] += 1
             else:
@@ -229,14 +237,15 @@ class ReplicaSet:
                           tenant: str | None = None, restart_session: bool = False,
                           expect_session_tokens: int | None = None, check_session: bool = False,
                           on_done: Callable[[RequestOutput | None], None] | None = None,
-                          routing_key: str | None = None) -> RequestStream:
+                          routing_key: str | None = None, replica: str | None = None) -> RequestStream:
         """:meth:`AsyncLLMEngine.add_request` on the replica the router picks (``routing_key``:
-        what the session-hash policy hashes when there is no session, e.g. a conversation id)."""
+        what the session-hash policy hashes when there is no session, e.g. a conversation id;
+        ``replica``: skip the router and use that one)."""
         rid = request_id or self.new_request_id()
         hashes = self._hashes(prompt, cache_salt, kv_cache_dtype) if session_id is None else ()
         self._pending_adds += params.n
         try:
-            decision = await self.route(RouteQuery(hashes, session_id, routing_key))
+            decision = await self.route(RouteQuery(hashes, session_id, routing_key), replica)
             r = self.replicas[decision.replica]
             kwargs = {"session_id": session_id, "cache_salt": cache_salt, "kv_cache_dtype": kv_cache_dtype,
                       "session_overflow": session_overflow, "tenant": tenant, "restart_session": restart_session,
@@ -267,6 +276,7 @@ class ReplicaSet:
                 out: RequestOutput = item[1]
                 observe(self.listeners, live, out, now)
                 if item[0] == "final":
+                    self._count(r.name, out)
                     if item[2] is not None:
                         for lis in self.listeners:
                             lis.on_finished(item[2], now)
@@ -285,6 +295,24 @@ class ReplicaSet:
             stream.done_threadsafe(None)
         finally:
             self._where.pop(rid, None)
+
+    def _count(self, name: str, out: RequestOutput) -> None:
+        c = self.served.setdefault(name, {})
+        for key, n in (("requests", 1), ("prompt_tokens", len(out.prompt_token_ids)),
+                       ("cached_tokens", out.num_cached_tokens),
+                       ("generation_tokens", sum(len(x.token_ids) for x in out.outputs))):
+            c[key] = c.get(key, 0) + n
+
+    def metrics_collector(self, model_name: str) -> Any:
+        from kvserve.cluster.metrics import ReplicaCollector
+
+        return ReplicaCollector(self, model_name)
+
+    def replica_table(self) -> list[dict[str, Any]]:
+        """Per replica, for the dashboard: up, load, blocks the index places there, served."""
+        return [{"replica": n, "up": r.up, "error": r.error, **vars(r.load),
+                 "index_blocks": {t: len(h) for t, h in self.index.held(n).items()}, **self.served.get(n, {})}
+                for n, r in sorted(self.replicas.items())]
 
     def abort(self, request_id: str) -> None:
         name = self._where.get(request_id)
@@ -380,6 +408,11 @@ class ReplicaSet:
     async def replica_events(self) -> dict[str, list[Any]]:
         """Every live replica's whole cache-event log (the oracle's input)."""
         return await self._each("events")
+
+    def run_blocking(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        """Run ``coro`` on the loop this set serves on, from another thread (tests, benchmarks)."""
+        assert self.loop is not None, "start() the replica set first"
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def kill_replica_process(self, name: str) -> int:
         """SIGKILL a replica's process (tests, chaos): returns its pid."""
