@@ -71,6 +71,7 @@ class DecisionRecord:
     block_hashes: tuple[bytes, ...]
     decision: Decision
     seqs: dict[str, int]
+    num_tokens: int = 0  # the prompt's length (0: a session turn, whose history is the replica's)
 
 
 def _actor_errors() -> tuple[type[BaseException], ...]:
@@ -201,15 +202,18 @@ class ReplicaSet:
             self.policy.sessions.update(self.owners)
 
     # -- routing -----------------------------------------------------------------------------
-    def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
+    def _ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
-        ids = list(self.engine.tokenizer.encode(prompt, add_special_tokens=True)) if isinstance(prompt, str) \
-            else [int(t) for t in prompt]
-        root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
-        return tuple(hash_full_blocks(ids, self.info.block_size, root))
+        if isinstance(prompt, str):
+            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
+        return [int(t) for t in prompt]
 
-    async def route(self, query: RouteQuery, pinned: str | None = None) -> Decision:
+    def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
+        root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
+        return tuple(hash_full_blocks(self._ids(prompt), self.info.block_size, root))
+
+    async def route(self, query: RouteQuery, pinned: str | None = None, num_tokens: int = 0) -> Decision:
         """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks)."""
         await self.refresh()
         owner = self.owners.get(query.session_id) if query.session_id is not None else None
@@ -226,7 +230,7 @@ class ReplicaSet:
                 decision = self.policy.choose(query, loads)
         except NoReplica as exc:
             raise ReplicaUnavailable(str(exc)) from None
-        self.decision_log.append(DecisionRecord(query.block_hashes, decision, dict(self.index.seq)))
+        self.decision_log.append(DecisionRecord(query.block_hashes, decision, dict(self.index.seq), num_tokens))
         if query.session_id is not None:
             self.owners[query.session_id] = decision.replica
         return decision
@@ -242,10 +246,12 @@ class ReplicaSet:
         what the session-hash policy hashes when there is no session, e.g. a conversation id;
         ``replica``: skip the router and use that one)."""
         rid = request_id or self.new_request_id()
-        hashes = self._hashes(prompt, cache_salt, kv_cache_dtype) if session_id is None else ()
+        ids = self._ids(prompt) if session_id is None else []
+        root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
+        hashes = tuple(hash_full_blocks(ids, self.info.block_size, root))
         self._pending_adds += params.n
         try:
-            decision = await self.route(RouteQuery(hashes, session_id, routing_key), replica)
+            decision = await self.route(RouteQuery(hashes, session_id, routing_key), replica, len(ids))
             r = self.replicas[decision.replica]
             kwargs = {"session_id": session_id, "cache_salt": cache_salt, "kv_cache_dtype": kv_cache_dtype,
                       "session_overflow": session_overflow, "tenant": tenant, "restart_session": restart_session,
