@@ -30,15 +30,13 @@ from typing import Any
 from kvserve.cluster.index import BlockIndex, IndexGap
 from kvserve.cluster.records import Decision, ReplicaLoad, RouteQuery
 from kvserve.cluster.replica import ReplicaInfo
+from kvserve.cluster.replica_sessions import ReplicaSessions
 from kvserve.cluster.router import KVRouter, NoReplica, RouterConfig, make_policy
-from kvserve.cluster.snapshots import merge_snapshots
 from kvserve.cluster.view import EngineView
 from kvserve.engine.async_engine import (
     EngineDeadError,
     EngineListener,
-    EngineSnapshot,
     RequestStream,
-    SessionInfo,
     _Live,
     observe,
 )
@@ -80,7 +78,7 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     return (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError)
 
 
-class ReplicaSet:
+class ReplicaSet(ReplicaSessions):
     def __init__(self, handles: dict[str, Any], infos: dict[str, ReplicaInfo], tokenizer: Any,
                  router: RouterConfig | None = None, poll_timeout_s: float = 2.0,
                  on_shutdown: Callable[[], None] | None = None) -> None:
@@ -202,7 +200,7 @@ class ReplicaSet:
             self.policy.sessions.update(self.owners)
 
     # -- routing -----------------------------------------------------------------------------
-    def _ids(self, prompt: Any) -> list[int]:
+    def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
         if isinstance(prompt, str):
@@ -211,7 +209,7 @@ class ReplicaSet:
 
     def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
         root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
-        return tuple(hash_full_blocks(self._ids(prompt), self.info.block_size, root))
+        return tuple(hash_full_blocks(self._prompt_ids(prompt), self.info.block_size, root))
 
     async def route(self, query: RouteQuery, pinned: str | None = None, num_tokens: int = 0) -> Decision:
         """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks)."""
@@ -246,7 +244,7 @@ class ReplicaSet:
         what the session-hash policy hashes when there is no session, e.g. a conversation id;
         ``replica``: skip the router and use that one)."""
         rid = request_id or self.new_request_id()
-        ids = self._ids(prompt) if session_id is None else []
+        ids = self._prompt_ids(prompt) if session_id is None else []
         root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
         hashes = tuple(hash_full_blocks(ids, self.info.block_size, root))
         self._pending_adds += params.n
@@ -325,86 +323,6 @@ class ReplicaSet:
         r = self.replicas.get(name) if name is not None else None
         if r is not None and r.up:
             r.handle.abort.remote(request_id)
-
-    # -- snapshots and sessions --------------------------------------------------------------
-    async def _each(self, method: str, *args: Any) -> dict[str, Any]:
-        """``method(*args)`` on every live replica; the ones that fail are marked down."""
-        names = self.up()
-        results = await asyncio.gather(*(getattr(self.replicas[n].handle, method).remote(*args) for n in names),
-                                       return_exceptions=True)
-        out = {}
-        for n, res in zip(names, results, strict=True):
-            if isinstance(res, self._errors):
-                self._mark_down(self.replicas[n], res)
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                out[n] = res
-        return out
-
-    async def snapshot(self) -> EngineSnapshot:
-        snaps = await self._each("snapshot")
-        if not snaps:
-            raise ReplicaUnavailable("no replica is up")
-        return merge_snapshots([snaps[n] for n in sorted(snaps)])
-
-    async def replica_snapshots(self) -> dict[str, EngineSnapshot]:
-        return await self._each("snapshot")
-
-    async def list_sessions(self, prefix: str | None = None) -> list[SessionInfo]:
-        found = await self._each("list_sessions", prefix)
-        by_id: dict[str, SessionInfo] = {}
-        for n in sorted(found):
-            for s in found[n]:
-                if s.session_id not in by_id or self.owners.get(s.session_id) == n:
-                    by_id[s.session_id] = s
-        return list(by_id.values())
-
-    async def session(self, session_id: str) -> SessionInfo | None:
-        """The session as its owner knows it; without a live owner, whichever live replica knows
-        it becomes the owner, else the least loaded one adopts it from the shared store."""
-        owner = self.owners.get(session_id)
-        if owner is not None and self.replicas[owner].up:
-            try:
-                return await self.replicas[owner].handle.session.remote(session_id)  # type: ignore[no-any-return]
-            except self._errors as exc:
-                self._mark_down(self.replicas[owner], exc)
-        known = {n: s for n, s in (await self._each("session", session_id)).items() if s is not None}
-        if known:
-            n = max(known, key=lambda k: (known[k].num_tokens, k))
-            self.owners[session_id] = n
-            return known[n]
-        up = self.up()
-        if not up:
-            raise ReplicaUnavailable("no replica is up; retry later")
-        target = min(up, key=lambda n: (self.replicas[n].load.in_flight, n))
-        info: SessionInfo | None = await self.replicas[target].handle.adopt_session.remote(session_id)
-        if info is not None:
-            self.owners[session_id] = target
-        return info
-
-    async def session_ids(self) -> set[str]:
-        return {s.session_id for s in await self.list_sessions()}
-
-    async def close_session(self, session_id: str) -> bool:
-        closed = await self._each("close_session", session_id)
-        self.owners.pop(session_id, None)
-        return any(closed.values())
-
-    async def set_session_meta(self, session_id: str, meta: dict[str, Any]) -> bool:
-        owner = self.owners.get(session_id)
-        if owner is None or not self.replicas[owner].up:
-            return False
-        try:
-            return await self.replicas[owner].handle.set_session_meta.remote(session_id, meta)  # type: ignore[no-any-return]
-        except self._errors as exc:
-            self._mark_down(self.replicas[owner], exc)
-            return False
-
-    def post_session_meta(self, session_id: str, meta: dict[str, Any]) -> None:
-        owner = self.owners.get(session_id)
-        if owner is not None and self.replicas[owner].up:
-            self.replicas[owner].handle.set_session_meta.remote(session_id, meta)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         raise NotImplementedError("a replica set runs no function on 'the' engine; use its named methods")
