@@ -10,8 +10,10 @@
 Invariants:
   * the router's index is fed only by the replicas' polls, applied in order under one lock; a
     replica answering with a new epoch (Ray restarted it) or a gap is re-read from a snapshot;
-  * a session's turns go to its owner while the owner is up; when it is not, the session is
-    looked up on the live replicas and else adopted by one from the shared session store;
+  * a session's turns go to its owner while the owner is up (even a busy one: its state lives in
+    that engine, so the router's overload exception is not applied to sessions here); when the
+    owner is down, the session is looked up on the live replicas, else adopted by one from the
+    shared session store;
   * a replica that dies ends each of its in-flight streams with :class:`ReplicaUnavailable`
     (a 503 the client may retry), and is dropped from routing and from the index; no stream hangs;
   * only the front end's event loop touches this object (Ray calls are awaited on it).
@@ -114,8 +116,8 @@ class ReplicaSet(ReplicaSessions):
     def shutdown(self, timeout_s: float = 10.0) -> None:
         import ray
 
-        if self._poller is not None:
-            self._poller.cancel()
+        if self._poller is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._poller.cancel)  # shutdown may run on another thread
             self._poller = None
         for r in self.replicas.values():
             with contextlib.suppress(Exception):  # already gone
@@ -221,7 +223,7 @@ class ReplicaSet(ReplicaSessions):
         try:
             if pinned is not None and pinned in loads:
                 decision = Decision(pinned, "pinned", self.index.prefix(pinned, query.block_hashes))
-            elif owner in loads and self.router_config.policy != "kv":
+            elif owner in loads:  # a live session stays where its state is
                 decision = Decision(owner, "sticky")
                 self.policy.decisions["sticky"] += 1
             else:
