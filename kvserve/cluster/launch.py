@@ -7,6 +7,7 @@ runtime environment), so a source checkout and an installed copy never mix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from kvserve.config import EngineConfig
 
 SRC_ROOT = str(Path(__file__).resolve().parents[2])
+PD_HOST_TIER = 256 * 2**20  # the host tier a P/D split gives replicas that have none
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,21 @@ class ClusterConfig:
     cpus_per_replica: float = 1.0
     max_restarts: int = 0           # Ray restarts a dead replica this many times (-1: always)
     idle_tick_s: float = 0.2
+    prefill_replicas: int = 0       # > 0: a prefill/decode split, ``replicas`` is then P + D
+    transfer_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.prefill_replicas and not 0 < self.prefill_replicas < self.replicas:
+            raise ValueError("a prefill/decode split needs at least one prefill and one decode replica")
+
+    def names(self) -> list[str]:
+        """``r0 …`` (no split), or ``p0 …`` prefill then ``d0 …`` decode replicas."""
+        if not self.prefill_replicas:
+            return [f"r{i}" for i in range(self.replicas)]
+        return [f"p{i}" for i in range(self.prefill_replicas)] + \
+            [f"d{i}" for i in range(self.replicas - self.prefill_replicas)]
 
 
 def init_ray(cfg: ClusterConfig) -> None:
@@ -71,8 +84,12 @@ def launch_replica_set(engine: EngineConfig, cluster: ClusterConfig, router: Any
 
     started_here = not ray.is_initialized()
     init_ray(cluster)
-    names = [f"r{i}" for i in range(cluster.replicas)]
+    if cluster.prefill_replicas and not engine.cache.tiers:  # blocks travel as tier objects
+        engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_host_memory=PD_HOST_TIER))
+    names = cluster.names()
     handles = {n: start_replica(cluster, engine, n) for n in names}
     infos = dict(zip(names, ray.get([handles[n].info.remote() for n in names]), strict=True))
     return ReplicaSet(handles, infos, load_tokenizer(engine.model), router,
-                      on_shutdown=ray.shutdown if started_here else None)
+                      on_shutdown=ray.shutdown if started_here else None,
+                      prefill=frozenset(n for n in names if n.startswith("p")),
+                      transfer_timeout_s=cluster.transfer_timeout_s)

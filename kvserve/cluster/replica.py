@@ -26,6 +26,7 @@ from typing import Any
 
 from kvserve.cluster.feed import ReplicaFeed
 from kvserve.cluster.records import ReplicaLoad, ReplicaPoll
+from kvserve.cluster.transfer import export_objects, import_objects
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineSnapshot, FinishedRequest, SessionInfo
 from kvserve.engine.async_views import session_info, session_infos
@@ -139,6 +140,16 @@ class Replica:
 
     async def adopt_session(self, session_id: str) -> SessionInfo | None:
         return await self.engine.call(lambda e: _adopt(e, session_id))
+
+    async def export_blocks(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """The block objects of the longest prefix of ``keys`` this replica's tiers hold (a
+        prefill replica's side of a transfer; its write-through saves are flushed first)."""
+        return await self.engine.call(lambda e: export_objects(e, keys))
+
+    async def import_blocks(self, objects: dict[bytes, bytes]) -> tuple[int, int]:
+        """Put block objects into this replica's first tier, where its next request's prefix
+        lookup finds them (a decode replica's side). Returns (blocks, bytes) taken."""
+        return await self.engine.call(lambda e: import_objects(e, objects))
 
 
 def _adopt(engine: LLMEngine, session_id: str) -> SessionInfo | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.cluster.index import BlockIndex, IndexGap
+from kvserve.cluster.pd import TransferLedger, ship_prefix
 from kvserve.cluster.records import Decision, ReplicaLoad, RouteQuery
 from kvserve.cluster.replica import ReplicaInfo
 from kvserve.cluster.replica_sessions import ReplicaSessions
@@ -83,7 +84,8 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
 class ReplicaSet(ReplicaSessions):
     def __init__(self, handles: dict[str, Any], infos: dict[str, ReplicaInfo], tokenizer: Any,
                  router: RouterConfig | None = None, poll_timeout_s: float = 2.0,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None, prefill: frozenset[str] = frozenset(),
+                 transfer_timeout_s: float = 1.0) -> None:
         first = infos[min(infos)]
         self.info = first
         self.engine = EngineView.of(first, tokenizer)
@@ -104,6 +106,9 @@ class ReplicaSet(ReplicaSessions):
         self._poller: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once started
         self._on_shutdown = on_shutdown
+        self.prefill = prefill                  # prefill replicas (a P/D split); the others decode
+        self.transfers = TransferLedger()
+        self.transfer_timeout_s = transfer_timeout_s
         self._errors = _actor_errors()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -209,15 +214,18 @@ class ReplicaSet(ReplicaSessions):
             return list(self.engine.tokenizer.encode(prompt, add_special_tokens=True))
         return [int(t) for t in prompt]
 
-    def _hashes(self, prompt: Any, cache_salt: str | None, kv_cache_dtype: str | None) -> tuple[bytes, ...]:
+    def prompt_hashes(self, prompt: Any, cache_salt: str | None = None,
+                      kv_cache_dtype: str | None = None) -> tuple[bytes, ...]:
+        """The full-block hashes the replicas give ``prompt`` (under its salt and codec)."""
         root = request_root(self.info.root_key, kv_cache_dtype, cache_salt)
         return tuple(hash_full_blocks(self._prompt_ids(prompt), self.info.block_size, root))
 
     async def route(self, query: RouteQuery, pinned: str | None = None, num_tokens: int = 0) -> Decision:
-        """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks)."""
+        """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks);
+        with a P/D split, among the decode replicas unless pinned."""
         await self.refresh()
         owner = self.owners.get(query.session_id) if query.session_id is not None else None
-        loads = {n: self.replicas[n].load for n in self.up()}
+        loads = {n: self.replicas[n].load for n in self.up() if pinned is not None or n not in self.prefill}
         if not loads:
             raise ReplicaUnavailable("no replica is up; retry later")
         try:
@@ -234,6 +242,13 @@ class ReplicaSet(ReplicaSessions):
         if query.session_id is not None:
             self.owners[query.session_id] = decision.replica
         return decision
+
+    async def route_among(self, names: frozenset[str], hashes: tuple[bytes, ...]) -> str:
+        """The policy's choice among ``names`` (the prefill replicas), without logging a decision."""
+        loads = {n: self.replicas[n].load for n in self.up() if n in names}
+        if not loads:
+            raise ReplicaUnavailable("no prefill replica is up; retry later")
+        return self.policy.choose(RouteQuery(hashes), loads).replica
 
     async def add_request(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
                           session_id: str | None = None, cache_salt: str | None = None,
@@ -252,6 +267,9 @@ class ReplicaSet(ReplicaSessions):
         self._pending_adds += params.n
         try:
             decision = await self.route(RouteQuery(hashes, session_id, routing_key), replica, len(ids))
+            if self.prefill and replica is None and session_id is None and hashes:
+                await ship_prefix(self, prompt, hashes, decision.replica, cache_salt, kv_cache_dtype,
+                                  self.transfer_timeout_s)
             r = self.replicas[decision.replica]
             kwargs = {"session_id": session_id, "cache_salt": cache_salt, "kv_cache_dtype": kv_cache_dtype,
                       "session_overflow": session_overflow, "tenant": tenant, "restart_session": restart_session,

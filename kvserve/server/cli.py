@@ -128,6 +128,10 @@ def serve(
         "--ray-address", help="Join this Ray cluster (auto, or HOST:PORT) instead of starting a local one.")] = None,
     router: Annotated[str, typer.Option(
         "--router", help="With replicas: kv (exact, tier-aware), round_robin or session_hash.")] = "kv",
+    prefill_replicas: Annotated[int, typer.Option(
+        "--prefill-replicas", help="A prefill/decode split: replicas that compute prompts (with --decode-replicas).")] = 0,
+    decode_replicas: Annotated[int, typer.Option(
+        "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
     replica_restarts: Annotated[int, typer.Option(
         "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
@@ -158,12 +162,15 @@ def serve(
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
                         tokenizer_workers=tokenizer_workers,
                         prices=Prices(price_input, price_cached_input, price_output))
+    if prefill_replicas or decode_replicas:
+        replicas = prefill_replicas + decode_replicas
     if replicas > 1 or ray_address is not None:
         from kvserve.cluster.launch import ClusterConfig, launch_replica_set
         from kvserve.cluster.router import RouterConfig
 
         engine: Any = launch_replica_set(ecfg, ClusterConfig(replicas=replicas, address=ray_address,
-                                                             max_restarts=replica_restarts),
+                                                             max_restarts=replica_restarts,
+                                                             prefill_replicas=prefill_replicas),
                                          RouterConfig(policy=router))
         typer.echo(f"kvserve: {replicas} replica(s) on Ray, router {router!r}", err=True)
     else:

@@ -68,7 +68,7 @@ def test_an_evicted_prefix_stops_attracting_requests(cluster: Any) -> None:
     prefix = list(range(300, 340))
     pinned(rs, prefix + [1], "r1")
     rs.run_blocking(rs.refresh())
-    hashes = rs._hashes(prefix, SALT, None)
+    hashes = rs.prompt_hashes(prefix, SALT)
     assert len(rs.index.prefix("r1", hashes)) == len(prefix) // BLOCK_SIZE
     for i in range(4):  # 4 x 200 tokens through a 64-block (256-token) pool: the prefix is reused
         pinned(rs, [1000 + 7 * i + j % 500 for j in range(200)], "r1")
