@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -110,12 +111,16 @@ async def run_router(policy: str, engine: EngineConfig, cluster: ClusterConfig, 
         logs = await rs.replica_events()
         oracle = replay_oracle(rs.decision_log, logs, rs.info.block_size)
         ttfts = [t.ttft_s for t in turns]
+        led = rs.transfers
+        pd = {"pd_transfers": led.transfers, "pd_blocks": led.blocks, "pd_bytes": led.bytes,
+              "pd_transfer_s": led.seconds, "pd_fallbacks": led.fallbacks, "pd_skipped": led.skipped} \
+            if rs.prefill else {}
         return {"hit_rate": sum(t.cached_tokens for t in turns) / sum(t.prompt_tokens for t in turns),
                 "oracle_ratio": oracle.ratio, "oracle_hit_rate_blocks": oracle.oracle_rate,
                 "achieved_hit_rate_blocks": oracle.achieved_rate,
                 "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9),
                 "tokens_per_s": sum(t.generated for t in turns) / wall, "requests": len(turns), "wall_s": wall,
-                "decisions": dict(rs.policy.decisions)}
+                "decisions": dict(rs.policy.decisions), **pd}
     finally:
         await asyncio.to_thread(rs.shutdown)
 
@@ -132,6 +137,8 @@ def main() -> None:
     ap.add_argument("--think-s", type=float, default=0.5, help="mean think time between turns")
     ap.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica (16 tokens each)")
     ap.add_argument("--routers", default="round_robin,session_hash,kv")
+    ap.add_argument("--pd", action="store_true",
+                    help="also run kv_pd: the kv router over a prefill/decode split (1 prefill + 1 decode replica)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -150,12 +157,21 @@ def main() -> None:
     init_ray(cluster)  # one Ray for every run: each router gets fresh replicas
     systems, convs = make_trace(args)
     results: dict[str, dict[str, float]] = {}
-    for policy in routers:
-        results[policy] = asyncio.run(run_router(policy, engine, cluster, systems, convs, args.reply_len))
-        r = results[policy]
-        print(f"{policy:>13}: hit rate {r['hit_rate']:.3f}  oracle ratio {r['oracle_ratio']:.3f}  "
+    runs = [(p, p, cluster) for p in routers]
+    if args.pd:
+        pd_engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_host_memory=256 * 2**20))
+        runs.append(("kv_pd", "kv", dataclasses.replace(cluster, prefill_replicas=1)))
+    for name, policy, ccfg in runs:
+        eng = pd_engine if name == "kv_pd" else engine
+        results[name] = asyncio.run(run_router(policy, eng, ccfg, systems, convs, args.reply_len))
+        r = results[name]
+        print(f"{name:>13}: hit rate {r['hit_rate']:.3f}  oracle ratio {r['oracle_ratio']:.3f}  "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms  p90 {r['ttft_p90_s'] * 1000:.0f} ms  "
               f"{r['tokens_per_s']:.1f} tok/s  ({r['requests']} requests, {r['wall_s']:.1f} s) {r['decisions']}")
+        if "pd_bytes" in r:
+            print(f"{'':>13}  P/D ledger: {r['pd_transfers']} transfers, {r['pd_blocks']} blocks, "
+                  f"{r['pd_bytes'] / 2**20:.1f} MiB in {r['pd_transfer_s']:.2f} s, {r['pd_fallbacks']} fallbacks, "
+                  f"{r['pd_skipped']} skipped")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": info, "args": vars(args), "routers": results}, f, indent=2)
