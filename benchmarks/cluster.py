@@ -108,6 +108,13 @@ async def run_router(policy: str, engine: EngineConfig, cluster: ClusterConfig, 
         t0 = time.monotonic()
         await asyncio.gather(*(run_conversation(rs, systems[c.system], c, reply_len, t0, turns) for c in convs))
         wall = time.monotonic() - t0
+        decisions = rs.policy.decisions
+        t1 = time.monotonic()  # a router restart: the index rebuilt from the replicas' snapshots
+        held_before = {r: rs.index.held(r) for r in rs.up()}
+        rs.restart_router()
+        await rs.refresh()
+        rebuild_s = time.monotonic() - t1
+        assert {r: rs.index.held(r) for r in rs.up()} == held_before
         logs = await rs.replica_events()
         oracle = replay_oracle(rs.decision_log, logs, rs.info.block_size)
         ttfts = [t.ttft_s for t in turns]
@@ -120,7 +127,7 @@ async def run_router(policy: str, engine: EngineConfig, cluster: ClusterConfig, 
                 "achieved_hit_rate_blocks": oracle.achieved_rate,
                 "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9),
                 "tokens_per_s": sum(t.generated for t in turns) / wall, "requests": len(turns), "wall_s": wall,
-                "decisions": dict(rs.policy.decisions), **pd}
+                "decisions": dict(decisions), "index_blocks": len(rs.index), "index_rebuild_s": rebuild_s, **pd}
     finally:
         await asyncio.to_thread(rs.shutdown)
 
@@ -167,7 +174,8 @@ def main() -> None:
         r = results[name]
         print(f"{name:>13}: hit rate {r['hit_rate']:.3f}  oracle ratio {r['oracle_ratio']:.3f}  "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms  p90 {r['ttft_p90_s'] * 1000:.0f} ms  "
-              f"{r['tokens_per_s']:.1f} tok/s  ({r['requests']} requests, {r['wall_s']:.1f} s) {r['decisions']}")
+              f"{r['tokens_per_s']:.1f} tok/s  ({r['requests']} requests, {r['wall_s']:.1f} s) {r['decisions']}; "
+              f"index of {r['index_blocks']} blocks rebuilt in {r['index_rebuild_s'] * 1000:.1f} ms")
         if "pd_bytes" in r:
             print(f"{'':>13}  P/D ledger: {r['pd_transfers']} transfers, {r['pd_blocks']} blocks, "
                   f"{r['pd_bytes'] / 2**20:.1f} MiB in {r['pd_transfer_s']:.2f} s, {r['pd_fallbacks']} fallbacks, "
