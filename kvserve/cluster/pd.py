@@ -6,7 +6,8 @@ tokens are the ones a single engine gives).
 Invariants:
   * only blocks the decode replica does not already hold (per the router's index) are shipped;
   * a transfer that fails or takes longer than ``timeout_s`` (1 s) is abandoned: the decode
-    replica computes the prompt itself; nobody waits longer than that for a transfer;
+    replica computes the prompt itself; nobody waits longer than that for a transfer (an
+    abandoned import may still land later; the blocks are the same, so it changes no token);
   * the ledger counts every transfer: blocks and bytes moved, seconds spent, fallbacks.
 """
 

@@ -59,13 +59,16 @@ def test_pd_gives_the_tokens_of_one_engine_and_the_ledger_shows_the_transfer(pd:
 def test_a_transfer_that_cannot_finish_in_time_falls_back_to_recompute(pd: Any) -> None:
     rs, srv = pd
     prompt = list(range(600, 641))
+    done, fallbacks, skipped = rs.transfers.transfers, rs.transfers.fallbacks, rs.transfers.skipped
     rs.transfer_timeout_s = 0.0  # no transfer can make it
     try:
         slow = complete(srv, prompt)
     finally:
         rs.transfer_timeout_s = 1.0
-    assert rs.transfers.fallbacks == 1
-    assert slow["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # the decode replica went on without the blocks (the abandoned import may still land later:
+    # harmless, the blocks are the same) and served the request
+    assert (rs.transfers.fallbacks, rs.transfers.transfers) == (fallbacks + 1, done)
+    assert len(slow["choices"][0]["token_ids"]) == 6
     again = complete(srv, [*prompt[:40], 7])  # the decode replica now holds the prefix: nothing to ship
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
-    assert rs.transfers.skipped == 1
+    assert rs.transfers.skipped == skipped + 1
