@@ -130,6 +130,26 @@ class _Live:
     kv_byte_s: float = 0.0
 
 
+def observe(listeners: list[EngineListener], live: _Live, out: RequestOutput, now: float) -> None:
+    """Tell ``listeners`` about a request's first token and its token gaps, from ``live``'s count."""
+    gaps: list[float] = []
+    for c in out.outputs:
+        i = c.index
+        new = len(c.token_ids) - live.num_tokens[i]
+        if new <= 0:
+            continue
+        if live.num_tokens[i] > 0:
+            gaps.extend([(now - live.last_token_at[i]) / new] * new)
+        live.num_tokens[i], live.last_token_at[i] = len(c.token_ids), now
+    if live.first_token_at is None and any(live.num_tokens):
+        live.first_token_at = now
+        for lis in listeners:
+            lis.on_first_token(now - live.arrival, now)
+    if gaps:
+        for lis in listeners:
+            lis.on_token_gaps(gaps, now)
+
+
 @dataclass
 class _Command:
     fn: Callable[[LLMEngine], Any]
@@ -266,6 +286,14 @@ class AsyncLLMEngine:
     async def close_session(self, session_id: str) -> bool:
         return await self.call(lambda e: e.close_session(session_id))
 
+    async def set_session_meta(self, session_id: str, meta: dict[str, Any]) -> bool:
+        """Attach the front end's record (a chat transcript) to a session; persisted with it."""
+        return await self.call(lambda e: e.set_session_meta(session_id, meta))
+
+    def post_session_meta(self, session_id: str, meta: dict[str, Any]) -> None:
+        """``set_session_meta`` without waiting for it."""
+        self.post(lambda e: e.set_session_meta(session_id, meta))
+
     def _submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if not self.alive:
@@ -333,22 +361,7 @@ class AsyncLLMEngine:
                 live.kv_byte_s += len(kv.block_table(req.request_id)) * self._block_bytes * dt
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
-        gaps: list[float] = []
-        for c in out.outputs:
-            i = c.index
-            new = len(c.token_ids) - live.num_tokens[i]
-            if new <= 0:
-                continue
-            if live.num_tokens[i] > 0:
-                gaps.extend([(now - live.last_token_at[i]) / new] * new)
-            live.num_tokens[i], live.last_token_at[i] = len(c.token_ids), now
-        if live.first_token_at is None and any(live.num_tokens):
-            live.first_token_at = now
-            for lis in self.listeners:
-                lis.on_first_token(now - live.arrival, now)
-        if gaps:
-            for lis in self.listeners:
-                lis.on_token_gaps(gaps, now)
+        observe(self.listeners, live, out, now)
 
     def _report_finished(self, live: _Live, out: RequestOutput, now: float) -> None:
         m = out.metrics

@@ -36,6 +36,8 @@ class SessionStore(Protocol):
 
     def load_all(self) -> Iterator[dict[str, Any]]: ...
 
+    def load(self, session_id: str) -> dict[str, Any] | None: ...
+
 
 class DirSessionStore:
     def __init__(self, directory: str | Path) -> None:
@@ -56,6 +58,13 @@ class DirSessionStore:
 
     def delete(self, session_id: str) -> None:
         self._path(session_id).unlink(missing_ok=True)
+
+    def load(self, session_id: str) -> dict[str, Any] | None:
+        """One record (another process may have written it since start-up), or None."""
+        try:
+            return json.loads(self._path(session_id).read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return None
 
     def load_all(self) -> Iterator[dict[str, Any]]:
         for p in sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime):
@@ -87,6 +96,14 @@ class RedisSessionStore:
             self._client.delete(self.PREFIX + session_id)
         except self._errors:
             pass
+
+    def load(self, session_id: str) -> dict[str, Any] | None:
+        try:
+            v = self._client.get(self.PREFIX + session_id)
+        except self._errors as exc:
+            log.warning("session record not read from Redis: %s", exc)
+            return None
+        return None if v is None else json.loads(v)  # type: ignore[no-any-return]
 
     def load_all(self) -> Iterator[dict[str, Any]]:
         try:

@@ -19,7 +19,7 @@ in (the runner writes into the target blocks until then); only then are the bloc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.contract import BlockOp, LoadBlock, LoadResult, SaveBlock, TierEvent
@@ -61,6 +61,7 @@ class TierSeam:
         self.write = write
         self._ops = ops if ops is not None else []
         self._in_flight: dict[int, Loading] = {}  # target block -> its loading, until reported
+        self.subscribers: list[Callable[[list[TierEvent]], None]] = []  # a replica's router feed
         if self.index and write == "back":
             pool.subscribe(self._on_pool_event)
 
@@ -72,7 +73,11 @@ class TierSeam:
         return bool(self.index)
 
     def apply(self, events: Iterable[TierEvent]) -> None:
+        """Update the index, then tell each subscriber the same events, in order."""
+        events = list(events)
         self.index.apply(events)
+        for sub in self.subscribers:
+            sub(events)
 
     def save_op(self, block_id: int, block_hash: BlockHash, parent: BlockHash) -> SaveBlock | None:
         """Write-through: a block that just became findable in the pool goes to the tiers, unless

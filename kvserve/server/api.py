@@ -73,6 +73,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, model_path: str = "
                         Timeline(config.dashboard_points), ChatSessions(tokenizer),
                         TokenizerPool(tokenizer, config.tokenizer_workers))
     engine.listeners.extend([state.metrics, state.timeline])
+    if hasattr(engine, "metrics_collector"):  # replicas (kvserve/cluster): per-replica series
+        state.metrics.registry.register(engine.metrics_collector(config.served_model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -242,4 +244,6 @@ def _add_plain_routes(app: FastAPI, state: ServerState) -> None:
                 "kv_bytes_per_token": eng.capacity.bytes_per_token,
                 "token_capacity": eng.capacity.token_capacity, "max_model_len": state.max_model_len,
                 "interval_s": state.config.sample_interval_s, "alive": state.engine.alive}
+        if hasattr(state.engine, "replica_table"):
+            info["replicas"] = state.engine.replica_table()
         return state.timeline.data(info)

@@ -257,7 +257,7 @@ def _end_turn(state: Any, esid: str, version: int, out: Any) -> None:
     state.chat_sessions.end_turn(esid, version, out)
     meta = state.chat_sessions.meta_of(esid)
     if meta is not None:
-        state.engine.post(lambda e: e.set_session_meta(esid, meta))
+        state.engine.post_session_meta(esid, meta)
 
 
 async def _record_turn(state: Any, added: _Added, final: RequestOutput) -> None:
@@ -269,4 +269,4 @@ async def _record_turn(state: Any, added: _Added, final: RequestOutput) -> None:
     state.chat_sessions.end_turn(esid, version, final)
     meta = state.chat_sessions.meta_of(esid)
     if meta is not None:
-        await state.engine.call(lambda e: e.set_session_meta(esid, meta))
+        await state.engine.set_session_meta(esid, meta)

@@ -125,6 +125,18 @@ def serve(
                                     "(prompt caching; default: the input price).")] = None,
     session_demote_after: Annotated[float | None, typer.Option(
         "--session-demote-after", help="With KV tiers: an idle session's pool blocks go after S s (default 60).")] = None,
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="Engine replicas as Ray actors behind one front end (1: no Ray).")] = 1,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Join this Ray cluster (auto, or HOST:PORT) instead of starting a local one.")] = None,
+    router: Annotated[str, typer.Option(
+        "--router", help="With replicas: kv (exact, tier-aware), round_robin or session_hash.")] = "kv",
+    prefill_replicas: Annotated[int, typer.Option(
+        "--prefill-replicas", help="A prefill/decode split: replicas that compute prompts (with --decode-replicas).")] = 0,
+    decode_replicas: Annotated[int, typer.Option(
+        "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
+    replica_restarts: Annotated[int, typer.Option(
+        "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -153,7 +165,19 @@ def serve(
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
                         tokenizer_workers=tokenizer_workers,
                         prices=Prices(price_input, price_cached_input, price_output, price_cache_write))
-    engine = AsyncLLMEngine(LLMEngine(ecfg))
+    if prefill_replicas or decode_replicas:
+        replicas = prefill_replicas + decode_replicas
+    if replicas > 1 or ray_address is not None:
+        from kvserve.cluster.launch import ClusterConfig, launch_replica_set
+        from kvserve.cluster.router import RouterConfig
+
+        engine: Any = launch_replica_set(ecfg, ClusterConfig(replicas=replicas, address=ray_address,
+                                                             max_restarts=replica_restarts,
+                                                             prefill_replicas=prefill_replicas),
+                                         RouterConfig(policy=router))
+        typer.echo(f"kvserve: {replicas} replica(s) on Ray, router {router!r}", err=True)
+    else:
+        engine = AsyncLLMEngine(LLMEngine(ecfg))
     app = create_app(engine, scfg, model_path=ecfg.model)
     tenants = sorted(set(keys.values()))
     who = (f"{len(keys)} API key(s), {len(tenants)} tenant(s); each sees only its own sessions"

@@ -60,8 +60,10 @@ def engine_config(model_dir: Path, **sched: Any) -> EngineConfig:
                         scheduler=SchedulerConfig(max_model_len=sched.pop("max_model_len", 256), **sched))
 
 
-def start_server(model_dir: Path, engine_cfg: EngineConfig | None = None, **server_kw: Any) -> LiveServer:
-    engine = AsyncLLMEngine(LLMEngine(engine_cfg or engine_config(model_dir)), idle_tick_s=0.2)
+def start_server(model_dir: Path, engine_cfg: EngineConfig | None = None, engine: Any = None,
+                 **server_kw: Any) -> LiveServer:
+    """``engine``: an AsyncLLMEngine-like object to serve (a replica set) instead of a new one."""
+    engine = engine or AsyncLLMEngine(LLMEngine(engine_cfg or engine_config(model_dir)), idle_tick_s=0.2)
     cfg = ServerConfig(served_model_name=MODEL_NAME, sample_interval_s=0.25, **server_kw)
     app = create_app(engine, cfg, model_path=str(model_dir))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -98,5 +98,9 @@ class TierIndex:
         """The fastest tier holding ``key``."""
         return next((t for t in self.tiers if key in self._held[t]), None)
 
+    def held(self, tier: str) -> frozenset[bytes]:
+        """The block hashes ``tier`` holds, as far as this index knows."""
+        return frozenset(self._held.get(tier, ()))
+
     def count(self, tier: str) -> int:
         return len(self._held.get(tier, ()))
