@@ -66,6 +66,9 @@ class EngineSnapshot:
     token_capacity: int
     max_model_len: int
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per KV tier: blocks, bytes, saves …
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage_ratio(self) -> float:
@@ -75,6 +78,11 @@ class EngineSnapshot:
     def fragmentation_ratio(self) -> float:
         """1 − tokens held ÷ slots in used blocks (0 when nothing is held)."""
         return 1.0 - self.tokens_held / self.slots_in_used_blocks if self.slots_in_used_blocks else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted ÷ proposed draft tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -98,7 +106,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         sessions_active=st.sessions_active, sessions_expired=st.sessions_expired,
         sessions_evicted=st.sessions_evicted, kv_bytes_per_token=cap.bytes_per_token,
         token_capacity=cap.token_capacity, max_model_len=engine.max_model_len,
-        tiers=tier_stats(engine),
+        tiers=tier_stats(engine), spec_verifies=st.spec_verifies, spec_draft_tokens=st.spec_draft_tokens,
+        spec_accepted_tokens=st.spec_accepted_tokens,
     )
 
 

@@ -34,6 +34,9 @@ VLLM_COUNTERS: list[tuple[str, str, str]] = [
     ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_queries"),
     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
     ("num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_verifies"),
+    ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens"),
 ]
 
 # (name, help, value of a snapshot); gauges first, then engine-side cumulative counters
@@ -56,6 +59,8 @@ GAUGES: list[tuple[str, str, str]] = [
      "sessions_active"),
     ("kv_bytes_per_token", "Bytes of KV one token costs across all layers.", "kv_bytes_per_token"),
     ("kv_token_capacity", "Tokens the KV pool can hold (blocks x block size).", "token_capacity"),
+    ("spec_decode_acceptance_ratio", "Accepted / proposed speculative draft tokens since start (0 before any).",
+     "spec_acceptance_rate"),
 ]
 ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
@@ -63,6 +68,10 @@ ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.", "num_preemptions"),
     ("sessions_expired", "Sessions whose KV was released after the idle timeout.", "sessions_expired"),
     ("sessions_evicted", "Sessions whose KV was released under memory pressure.", "sessions_evicted"),
+    ("spec_decode_verifies", "Speculative verify chunks run (a decode step that carried drafts).", "spec_verifies"),
+    ("spec_decode_draft_tokens", "Draft tokens proposed by speculative decoding.", "spec_draft_tokens"),
+    ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to what the model produced there).",
+     "spec_accepted_tokens"),
 ]
 
 # (stats key, metric name, help, kind) per KV tier
