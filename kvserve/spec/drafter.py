@@ -12,9 +12,12 @@ Rules (invariants the scheduler relies on):
 - a request is never drafted past ``max_tokens``: ``len(drafts) <= max_tokens - generated - 1``,
   so every slot a verify writes is inside the ``prompt + max_tokens`` its admission reserved;
 - nobody is drafted while more than ``max_num_seqs`` requests run (auto-off for big batches);
-- a verify that accepted nothing halves the request's draft length and pauses its drafting for
-  1, 2, 4 … 16 steps; one that accepted something restores the full length. So text with
-  nothing to copy costs at most a few one-token verifies, not one per step.
+- the draft length follows what verifies keep: all accepted doubles it (up to
+  ``num_speculative_tokens``), some accepted sets it to one more than were kept, none halves it
+  and pauses the request's drafting for 1, 2, 4 … 16 steps. A verify costs more per draft token
+  than it looks (every draft row needs its own logits: on the 0.5B shape a 9-token verify costs
+  2x a decode on a 2-core AVX2 CPU), so drafts stay as long as they are accepted and text with
+  nothing to copy costs a few short verifies, not one per step.
 
 Greedy and seeded rows both verify exactly: a draw is a pure function of (seed, output index)
 (``runner/sampler.py``), a draft is accepted only where it equals the token the request would
@@ -88,8 +91,10 @@ class NgramDrafter:
         track = self._tracks.get(req.request_id)
         if track is None:
             return
-        if accepted:
-            track.k, track.misses = self.config.num_speculative_tokens, 0
+        if accepted == proposed:
+            track.k, track.misses = min(self.config.num_speculative_tokens, 2 * proposed), 0
+        elif accepted:
+            track.k, track.misses = accepted + 1, 0
         else:
             track.k = max(1, track.k // 2)
             track.misses += 1

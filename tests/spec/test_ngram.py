@@ -75,7 +75,7 @@ def test_drafts_stop_short_of_max_tokens_and_skip_grammars_and_prefills():
     assert drafter.propose(prefill, 100) == []
 
 
-def test_a_miss_halves_the_draft_and_pauses_it_a_hit_restores_it():
+def test_the_draft_length_follows_what_verifies_keep():
     drafter = NgramDrafter(SpeculativeConfig("ngram", num_speculative_tokens=8))
     req = decoding([1, 2, 3, 4] * 4, 100)
     assert len(drafter.propose(req, 100)) == 8
@@ -85,6 +85,12 @@ def test_a_miss_halves_the_draft_and_pauses_it_a_hit_restores_it():
     drafter.verified(req, 4, 0)
     assert [drafter.propose(req, 100) for _ in range(2)] == [[], []]  # paused two steps
     assert len(drafter.propose(req, 100)) == 2
-    drafter.verified(req, 2, 1)
+    drafter.verified(req, 2, 2)
+    assert len(drafter.propose(req, 100)) == 4  # all kept: doubled
+    drafter.verified(req, 4, 4)
     assert len(drafter.propose(req, 100)) == 8
-    assert (drafter.stats.verifies, drafter.stats.proposed, drafter.stats.accepted) == (3, 14, 1)
+    drafter.verified(req, 8, 8)
+    assert len(drafter.propose(req, 100)) == 8  # capped at num_speculative_tokens
+    drafter.verified(req, 8, 2)
+    assert len(drafter.propose(req, 100)) == 3  # some kept: one more than that
+    assert (drafter.stats.verifies, drafter.stats.proposed, drafter.stats.accepted) == (6, 34, 16)
