@@ -190,6 +190,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     dev = torch.device(device)
     state = _read_state_dict(model, files, torch_dtype(config.dtype), dev)
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the parameters are these tensors: packing below frees each one as it replaces it
     model.to(dev)  # the rope buffer (built on CPU) follows the weights
     model.eval()
     model.requires_grad_(False)
@@ -201,7 +202,24 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
         if not fbgemm_fp16_available():
             raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
         model.pack_cpu_fp16_gemm()
+        _map_tied_embedding(model, files)
     return model, config
+
+
+def _map_tied_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """A tied embedding whose logits projection is packed is only looked up by rows from now on:
+    read it in place from the checkpoint (:mod:`kvserve.model.mapped_tensor`) instead of keeping
+    a second resident copy of the vocab x hidden matrix. Left as is when the file stores it in
+    another dtype."""
+    from kvserve.model.cpu_gemm import PackedFp16Linear
+    from kvserve.model.mapped_tensor import map_tensor
+
+    emb = model.model.embed_tokens
+    if not model.config.tie_word_embeddings or not isinstance(model.lm_head, PackedFp16Linear):
+        return
+    mapped = map_tensor(files, "model.embed_tokens.weight", emb.weight.dtype)
+    if mapped is not None and mapped.shape == emb.weight.shape:
+        emb.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
 
 def load_tokenizer(path: str | Path) -> Any:
