@@ -202,20 +202,34 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
         if not fbgemm_fp16_available():
             raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
         model.pack_cpu_fp16_gemm()
-        _map_tied_embedding(model, files)
+        _map_embedding(model, files)
+        _own_small_tensors(model)
     return model, config
 
 
-def _map_tied_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """A tied embedding whose logits projection is packed is only looked up by rows from now on:
-    read it in place from the checkpoint (:mod:`kvserve.model.mapped_tensor`) instead of keeping
-    a second resident copy of the vocab x hidden matrix. Left as is when the file stores it in
-    another dtype."""
+def _own_small_tensors(model: LlamaForCausalLM) -> None:
+    """After packing, what is left of the checkpoint's tensors (norms, the rope buffer's peers)
+    is small, but each is a view into the whole file's mapping, which stays resident (every page
+    was read while packing) as long as one of them lives: copy them, so the mapping goes.
+    The mapped tied embedding keeps its own, untouched mapping."""
+    keep = model.model.embed_tokens.weight.untyped_storage().data_ptr()
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.untyped_storage().data_ptr() != keep:
+                setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+
+
+def _map_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Once the logits projection is packed (or is a matrix of its own), the embedding is only
+    looked up by rows: read it in place from the checkpoint (:mod:`kvserve.model.mapped_tensor`),
+    so only the rows requests touch are resident, instead of a second resident copy of the
+    vocab x hidden matrix next to the packed one. Left as is when the file stores it in another
+    dtype."""
     from kvserve.model.cpu_gemm import PackedFp16Linear
     from kvserve.model.mapped_tensor import map_tensor
 
     emb = model.model.embed_tokens
-    if not model.config.tie_word_embeddings or not isinstance(model.lm_head, PackedFp16Linear):
+    if model.config.tie_word_embeddings and not isinstance(model.lm_head, PackedFp16Linear):
         return
     mapped = map_tensor(files, "model.embed_tokens.weight", emb.weight.dtype)
     if mapped is not None and mapped.shape == emb.weight.shape:

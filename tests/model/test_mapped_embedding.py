@@ -1,5 +1,6 @@
-"""A tied embedding whose logits projection is packed is read in place from the checkpoint file
-(one resident copy of the vocab x hidden matrix, not two), with the same values and tokens."""
+"""Once the logits projection is packed, the embedding is read in place from the checkpoint file
+(one resident copy of the vocab x hidden matrix, not two) and nothing else keeps the mapping that
+loading read whole."""
 
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def test_packed_tied_model_reads_its_embedding_from_the_file(tied_bf16):
         stored = f.get_tensor("model.embed_tokens.weight")
     ids = torch.tensor([3, 17, 5, 60, 3])
     assert torch.equal(model.model.embed_tokens(ids), stored[ids])
+    # nothing else still points into a mapping of the file: the one that loading read whole is gone
+    others = [n for n, p in model.named_parameters() if p is not emb and str(weight_files(tied_bf16)[0]) in mapped_files(p)]
+    assert others == []
+
+
+def test_an_untied_packed_model_maps_its_embedding_too(tmp_path):
+    build_hf_model("llama-gqa").to(torch.bfloat16).save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, dtype="bfloat16")
+    file = str(weight_files(tmp_path)[0])
+    assert file in mapped_files(model.model.embed_tokens.weight)
+    assert isinstance(model.lm_head, PackedFp16Linear)
+    assert [n for n, p in model.named_parameters() if file in mapped_files(p)] == ["model.embed_tokens.weight"]
 
 
 def test_a_float32_load_keeps_its_own_embedding(tied_bf16):
