@@ -137,7 +137,9 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
-        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype)))
+        # a copy, never a view: safetensors' tensors are views into one mapping of the whole file,
+        # which stays resident (every page read) as long as one of them lives
+        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype, copy=True)))
         parts_left[spec.model_key] -= 1
         if parts_left[spec.model_key] == 0:
             parts = [t for _, t in sorted(pending.pop(spec.model_key), key=lambda p: p[0])]
@@ -203,20 +205,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
             raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
         model.pack_cpu_fp16_gemm()
         _map_embedding(model, files)
-        _own_small_tensors(model)
     return model, config
-
-
-def _own_small_tensors(model: LlamaForCausalLM) -> None:
-    """After packing, what is left of the checkpoint's tensors (norms, the rope buffer's peers)
-    is small, but each is a view into the whole file's mapping, which stays resident (every page
-    was read while packing) as long as one of them lives: copy them, so the mapping goes.
-    The mapped tied embedding keeps its own, untouched mapping."""
-    keep = model.model.embed_tokens.weight.untyped_storage().data_ptr()
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.untyped_storage().data_ptr() != keep:
-                setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
 
 
 def _map_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
