@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,9 @@ def _build(cls: type, data: Any, where: str, nested: dict[str, type] | None = No
             raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(known)}")
         if nested and key in nested:
             kwargs[key] = _build(nested[key], value, f"{where}.{key}")
+            continue
+        if isinstance(hints[key], type) and is_dataclass(hints[key]):  # e.g. scheduler.speculative
+            kwargs[key] = _build(hints[key], value, f"{where}.{key}")
             continue
         if key == "kv_cache_memory" and isinstance(value, str):
             value = parse_size(value)

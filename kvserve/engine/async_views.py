@@ -74,6 +74,9 @@ class EngineSnapshot:
     prompt_cache_pins_refreshed: int = 0
     prompt_cache_pins_expired: int = 0
     prompt_cache_pins_evicted: int = 0
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage_ratio(self) -> float:
@@ -83,6 +86,11 @@ class EngineSnapshot:
     def fragmentation_ratio(self) -> float:
         """1 − tokens held ÷ slots in used blocks (0 when nothing is held)."""
         return 1.0 - self.tokens_held / self.slots_in_used_blocks if self.slots_in_used_blocks else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted ÷ proposed draft tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -106,7 +114,8 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         sessions_active=st.sessions_active, sessions_expired=st.sessions_expired,
         sessions_evicted=st.sessions_evicted, kv_bytes_per_token=cap.bytes_per_token,
         token_capacity=cap.token_capacity, max_model_len=engine.max_model_len,
-        tiers=tier_stats(engine), **pin_stats(engine),
+        tiers=tier_stats(engine), **pin_stats(engine), spec_verifies=st.spec_verifies,
+        spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
     )
 
 

@@ -13,6 +13,7 @@ return the same records.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import SESSION_OVERFLOW, EngineConfig, normalize_dtype
+from kvserve.config import SESSION_OVERFLOW, EngineConfig, SchedulerConfig, SpeculativeConfig, normalize_dtype
 from kvserve.contract import SchedulerOutput
 from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv.codec_names import parse_kv_codecs
 from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
@@ -62,6 +64,9 @@ class EngineStats:
     sessions_expired: int = 0
     sessions_evicted: int = 0
     blocks_pinned: int = 0
+    spec_verifies: int = 0          # speculative decoding: verify chunks run,
+    spec_draft_tokens: int = 0      # draft tokens proposed,
+    spec_accepted_tokens: int = 0   # and of those, accepted
 
 
 class LLMEngine:
@@ -87,7 +92,7 @@ class LLMEngine:
                                  session_idle_timeout_s=config.cache.session_idle_timeout_s,
                                  session_retention_s=config.cache.session_retention_s,
                                  max_sessions_per_tenant=config.cache.max_sessions_per_tenant)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
                           config.num_threads, config.seed, root)
         self.runner: Runner = ProcessRunner(spec) if config.runner == "process" else build_inline_runner(spec)
@@ -100,6 +105,16 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._eos = self._eos_token_ids()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings; drafting is switched off on a lossy KV codec (an int4 key
+        group encoded over a rejected draft would keep it: not verified, so not allowed)."""
+        sched = self.config.scheduler
+        if sched.speculative.enabled and parse_kv_codecs(self.kv_dtype, self.model_config.dtype).lossy:
+            log.warning("speculative decoding is off: KV codec %s is lossy (drafts need a float KV pool)",
+                        self.kv_dtype)
+            return dataclasses.replace(sched, speculative=SpeculativeConfig())
+        return sched
 
     def shutdown(self) -> None:
         """Stop the runner (a child process for ``runner="process"``)."""
@@ -278,10 +293,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         usage = self.kv.usage()
         ss = self.kv.sessions.stats
+        spec = self.scheduler.drafter.stats if self.scheduler.drafter else None
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, usage.total,
                            usage.used, usage.cached_free, self.scheduler.num_preemptions,
                            self.kv.stats.queries, self.kv.stats.hits, len(self.kv.sessions),
-                           ss.expired, ss.evicted, self.kv.num_pinned_blocks())
+                           ss.expired, ss.evicted, self.kv.num_pinned_blocks(),
+                           *((spec.verifies, spec.proposed, spec.accepted) if spec else ()))
 
     def run_until_done(self, timeout_s: float | None = None, max_idle_steps: int = 10_000) -> list[RequestOutput]:
         """Step until every request finishes; returns the final output of each. Raises RuntimeError

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self, cast
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.engine.chat_session import ChatTranscript
 from kvserve.engine.engine import LLMEngine, PromptType
 from kvserve.request import RequestOutput
@@ -68,6 +68,9 @@ class LLM:
         kv_tier_write: str = "through",
         session_retention_s: float | None = None,
         max_sessions_per_tenant: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens,
+        speculative_max_num_seqs: int = SpeculativeConfig.max_num_seqs,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -93,7 +96,9 @@ class LLM:
             max_sessions_per_tenant=max_sessions_per_tenant,
         )
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                                speculative=SpeculativeConfig(speculative, num_speculative_tokens,
+                                                              max_num_seqs=speculative_max_num_seqs))
         config = EngineConfig(model=resolve_model_path(model), dtype=dtype, device=device, seed=seed,
                               num_threads=num_threads, cache=cache, scheduler=sched, runner=runner)
         self.engine = LLMEngine(config)

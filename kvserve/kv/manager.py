@@ -180,15 +180,16 @@ class KVCacheManager:
                               BlockSource.PREFIX if hits else BlockSource.NONE)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: ComputedBlocks = ComputedBlocks()) -> bool:
+                       computed: ComputedBlocks = ComputedBlocks(), evict_sessions: bool = True) -> bool:
         """Grow ``req``'s block table to hold ``num_computed_tokens + computed + num_new_tokens``
         tokens, copying shared blocks that this step writes. Releases idle sessions (LRU) if the
-        pool is short. Returns False, changing nothing else, when the blocks cannot be had."""
+        pool is short (unless ``evict_sessions`` is False: speculative slots never evict a session).
+        Returns False, changing nothing else, when the blocks cannot be had."""
         table = self._tables.get(req.request_id, []) + list(computed.blocks)
         start = req.num_computed_tokens + computed.num_tokens
         plan = self._plan(table, start, start + num_new_tokens, computed)
         while plan.blocks_wanted > self.pool.num_free:
-            if not self._make_room(req):
+            if not evict_sessions or not self._make_room(req):
                 return False
             plan = self._plan(table, start, start + num_new_tokens, computed)
         self._take(req, computed)
@@ -210,6 +211,16 @@ class KVCacheManager:
             self.release_session(victim, evicted=True)
             return True
         return self.pins.release_lru()
+    def trim(self, req: Request) -> None:
+        """Return the blocks past ``req.num_computed_tokens`` (slots of rejected draft tokens:
+        never full of computed tokens, so never hashed), tail first."""
+        table = self._tables.get(req.request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(req.num_computed_tokens)
+        if len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
 
     def _plan(self, table: list[int], start: int, end: int, computed: ComputedBlocks) -> _Plan:
         touched = set(computed.blocks) if computed.source in (BlockSource.PREFIX, BlockSource.FORK) else set()

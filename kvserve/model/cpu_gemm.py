@@ -112,13 +112,14 @@ class PackedFp16Linear(nn.Module):
         if weight.numel() < MIN_SHARD_ELEMENTS and shards is None:
             want = 1
         n = max(1, min(want, self.out_features))
-        w = weight.detach().float()
+        w = weight.detach()
         b = torch.zeros(self.out_features) if bias is None else bias.detach().float()
         bounds = [self.out_features * i // n for i in range(n + 1)]
         self.shards = n
         for i in range(n):
             lo, hi = bounds[i], bounds[i + 1]
-            self.register_buffer(f"packed{i}", torch.fbgemm_pack_gemm_matrix_fp16(w[lo:hi].contiguous()),
+            # widened to fp32 one shard at a time: the transient copy is a shard, not the matrix
+            self.register_buffer(f"packed{i}", torch.fbgemm_pack_gemm_matrix_fp16(w[lo:hi].float().contiguous()),
                                  persistent=False)
             self.register_buffer(f"bias{i}", b[lo:hi].contiguous(), persistent=False)
         self._parts = [(getattr(self, f"packed{i}"), getattr(self, f"bias{i}")) for i in range(n)]

@@ -137,7 +137,9 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
-        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype)))
+        # a copy, never a view: safetensors' tensors are views into one mapping of the whole file,
+        # which stays resident (every page read) as long as one of them lives
+        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype, copy=True)))
         parts_left[spec.model_key] -= 1
         if parts_left[spec.model_key] == 0:
             parts = [t for _, t in sorted(pending.pop(spec.model_key), key=lambda p: p[0])]
@@ -190,6 +192,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     dev = torch.device(device)
     state = _read_state_dict(model, files, torch_dtype(config.dtype), dev)
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the parameters are these tensors: packing below frees each one as it replaces it
     model.to(dev)  # the rope buffer (built on CPU) follows the weights
     model.eval()
     model.requires_grad_(False)
@@ -201,7 +204,25 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
         if not fbgemm_fp16_available():
             raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
         model.pack_cpu_fp16_gemm()
+        _map_embedding(model, files)
     return model, config
+
+
+def _map_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Once the logits projection is packed (or is a matrix of its own), the embedding is only
+    looked up by rows: read it in place from the checkpoint (:mod:`kvserve.model.mapped_tensor`),
+    so only the rows requests touch are resident, instead of a second resident copy of the
+    vocab x hidden matrix next to the packed one. Left as is when the file stores it in another
+    dtype."""
+    from kvserve.model.cpu_gemm import PackedFp16Linear
+    from kvserve.model.mapped_tensor import map_tensor
+
+    emb = model.model.embed_tokens
+    if model.config.tie_word_embeddings and not isinstance(model.lm_head, PackedFp16Linear):
+        return
+    mapped = map_tensor(files, "model.embed_tokens.weight", emb.weight.dtype)
+    if mapped is not None and mapped.shape == emb.weight.shape:
+        emb.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -7,7 +7,9 @@ equals ``KVCapacity.allocated_bytes`` (checked at start-up), so what the engine 
 holds.
 
 A step (:meth:`ModelRunner.execute`): read the record into the runner's per-request state, run
-the block operations, one forward over every chunk, sample. If the forward or a sample raises,
+the block operations, one forward over every chunk, sample. A verify chunk (``num_sample = k + 1``)
+keeps the drafts up to the first one the sampled tokens disagree with; the runner's copy of the
+request's tokens is cut there (the scheduler counts the same: ``Scheduler.update``). If the forward or a sample raises,
 the fault is attributed: each chunk is rerun alone and the ones that still raise are reported in
 ``RunnerOutput.failed``; the rest are served. Only a fault no request explains (every chunk fails
 alone, in a batch of several) propagates and stops the engine.
@@ -157,7 +159,10 @@ class ModelRunner:
             if error is not None:
                 result.failed[c.request_id] = f"sampling failed: {error!r}"
                 continue
-            result.sampled[c.request_id] = _accepted(c, mine, self.state.requests[c.request_id].token_ids)  # type: ignore[arg-type]
+            known = self.state.requests[c.request_id].token_ids
+            result.sampled[c.request_id] = accepted = _accepted(c, mine, known)  # type: ignore[arg-type]
+            if c.num_sample > 1:  # the rejected drafts leave the runner's copy
+                del known[c.end - c.num_sample + len(accepted.token_ids):]
         return result
 
     def _isolate(self, chunks: Sequence[ScheduledChunk], batch_error: Exception) -> RunnerOutput:

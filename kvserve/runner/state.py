@@ -3,7 +3,9 @@
 Created on a request's first sight (:class:`~kvserve.contract.NewRequest`, or a bare chunk for
 teacher-forced scoring), extended by each chunk's ``new_token_ids``, dropped when the scheduler
 lists the id as finished or preempted. Invariant after :meth:`RunnerState.apply`: every scheduled
-chunk's request knows at least ``chunk.end`` tokens.
+chunk's request knows at least ``chunk.end`` tokens. After a verify chunk (``num_sample = k + 1``)
+the runner cuts its copy after the last accepted draft (``ModelRunner._run``), the length the
+scheduler then counts as told.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ What crosses to the runner is plain data (:mod:`kvserve.contract`): the schedule
 many of each request's tokens the runner has been told (``_told``), sends the rest in the next
 chunk, and lists the requests the runner should forget (finished or preempted). It uses only the
 KV manager's seam (``kvserve.kv.manager``), never the pool behind it.
+
+Speculative decoding (``SchedulerConfig.speculative``): a decoding request may carry draft tokens
+from :class:`~kvserve.spec.drafter.NgramDrafter` as extra ``new_token_ids`` of its chunk, with
+``num_sample = k + 1``; the slots they need are taken only from free blocks (no preemption, no
+session eviction for a draft). ``update`` counts KV up to the last accepted position, tells the
+runner's copy to be that long, and returns the blocks past it (``KVCacheManager.trim``): a
+rejected draft's KV is rewritten or freed, never hashed into the prefix cache.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from kvserve.contract import NewRequest, RunnerOutput, ScheduledChunk, Scheduler
 from kvserve.kv.manager import ComputedBlocks, KVCacheManager
 from kvserve.kv.tier_seam import Loading
 from kvserve.request import Request, RequestStatus
+from kvserve.spec.drafter import NgramDrafter
 
 
 class Scheduler:
@@ -44,6 +52,7 @@ class Scheduler:
         self._forget: list[str] = []      # finished since the last step: the runner drops them
         self.loading: dict[str, tuple[Request, Loading]] = {}  # KV on its way back from a tier
         self._step_id = 0
+        self.drafter = NgramDrafter(config.speculative) if config.speculative.enabled else None
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -86,12 +95,18 @@ class Scheduler:
         self._forget = []
         budget = self.config.max_num_batched_tokens
         preempted_now = False
+        drafter = self.drafter if self.drafter and self.drafter.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, n, out):
-                budget -= n
+            drafts = drafter.propose(req, budget - n) if drafter else []
+            if drafts and not self.kv.allocate_slots(req, n + len(drafts), evict_sessions=False):
+                drafts = []
+            if drafts or self._allocate_or_preempt(req, n, out):
+                if drafts:
+                    out.chunks.append(self._chunk(req, n, out, drafts))
+                budget -= n + len(drafts)
                 i += 1
             else:
                 preempted_now = True  # req itself was preempted; running shrank past i
@@ -148,19 +163,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _chunk(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledChunk:
-        """The plain record of ``n`` tokens of ``req`` from ``num_computed_tokens``; a request the
-        runner does not know yet is introduced with all its tokens and its sampling settings."""
+    def _chunk(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledChunk:
+        """The plain record of ``n`` tokens of ``req`` from ``num_computed_tokens`` (plus its
+        ``drafts``, to verify); a request the runner does not know yet is introduced with all its
+        tokens and its sampling settings."""
         told = self._told.get(req.request_id)
         if told is None:
             out.new_requests.append(NewRequest(req.request_id, req.num_prompt_tokens, req.sampling_params,
                                                req.seed, req.kv_cache_dtype, req.eos_token_ids))
             told = 0
-        new = req.token_ids_from(told)
+        new = req.token_ids_from(told) + (drafts or [])
         self._told[req.request_id] = told + len(new)
         start = req.num_computed_tokens
-        return ScheduledChunk(req.request_id, start, n, new, list(self.kv.block_table(req.request_id)),
-                              1 if start + n == req.num_tokens else 0)
+        k = len(drafts or ())
+        return ScheduledChunk(req.request_id, start, n + k, new, list(self.kv.block_table(req.request_id)),
+                              1 + k if start + n == req.num_tokens else 0)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self._told.pop(req.request_id, None) is not None:
@@ -194,21 +211,35 @@ class Scheduler:
             # KV is valid up to the last accepted position: a verify chunk (num_sample = k + 1)
             # whose j drafts were accepted returns j + 1 tokens; rejected drafts' slots are rewritten.
             req.num_computed_tokens = chunk.end - chunk.num_sample + min(len(tokens), chunk.num_sample)
-            self.kv.cache_blocks(req)
-            if not tokens:
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
+            if chunk.num_sample > 1:
+                self._verified(req, chunk, len(tokens))
             for token in tokens:
                 req.append_token(token)
                 self._check_stop(req, token)
                 if req.status.finished:
                     break
+            # a stop inside the accepted tokens: KV past the last kept token is not the request's
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1 if tokens else req.num_tokens)
+            if chunk.num_sample > 1:
+                self.kv.trim(req)
+            self.kv.cache_blocks(req)
+            if not tokens:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
             changed.append(req)
         for req in changed:
             if req.status.finished:
                 self._finish(req, now)
         return changed
+
+    def _verified(self, req: Request, chunk: ScheduledChunk, num_tokens: int) -> None:
+        """A verify chunk came back with ``num_tokens`` tokens (accepted drafts + one): the
+        runner's copy now ends at the last accepted draft."""
+        assert self.drafter is not None
+        self.drafter.verified(req, chunk.num_sample - 1, max(0, num_tokens - 1))
+        if req.request_id in self._told:
+            self._told[req.request_id] = req.num_computed_tokens
 
     def _finish_loading(self, result: RunnerOutput) -> None:
         """Loads that finished (this step or while earlier steps ran): a request whose loads are
@@ -255,6 +286,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req)
+        if self.drafter is not None:
+            self.drafter.forget(req)
         req.finished_time = now
         self.requests.pop(req.request_id, None)
         if self._told.pop(req.request_id, None) is not None:

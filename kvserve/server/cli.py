@@ -24,7 +24,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         max_sessions_per_tenant: int | None = None, runner: str | None = None,
                         kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
                         kv_disk_size: str | None = None, kv_remote: str | None = None,
-                        session_demote_after_s: float | None = None) -> EngineConfig:
+                        session_demote_after_s: float | None = None, speculative: str | None = None,
+                        num_speculative_tokens: int | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -57,6 +58,10 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
             cache_kw[name] = value
     sched_kw: dict[str, Any] = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+    spec_kw = {k: v for k, v in (("method", speculative), ("num_speculative_tokens", num_speculative_tokens))
+               if v is not None}
+    if spec_kw:
+        sched_kw["speculative"] = dataclasses.replace(base.scheduler.speculative, **spec_kw)
     top_kw: dict[str, Any] = {}
     if model is not None:
         top_kw["model"] = resolve_model_path(model)
@@ -137,6 +142,10 @@ def serve(
         "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
     replica_restarts: Annotated[int, typer.Option(
         "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
+    speculative: Annotated[str | None, typer.Option(
+        "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens).")] = None,
+    num_speculative_tokens: Annotated[int | None, typer.Option(
+        "--num-speculative-tokens", help="Most draft tokens verified per step (default 8).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -159,7 +168,8 @@ def serve(
                                session_overflow=session_overflow, session_retention_s=session_retention,
                                max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
-                               kv_remote=kv_remote, session_demote_after_s=session_demote_after)
+                               kv_remote=kv_remote, session_demote_after_s=session_demote_after,
+                               speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),

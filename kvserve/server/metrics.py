@@ -36,6 +36,9 @@ VLLM_COUNTERS: list[tuple[str, str, str]] = [
     ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_queries"),
     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
     ("num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_verifies"),
+    ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens"),
 ]
 
 # (name, help, value of a snapshot); gauges first, then engine-side cumulative counters
@@ -61,6 +64,8 @@ GAUGES: list[tuple[str, str, str]] = [
     ("prompt_cache_pins", "Prefixes pinned by the prompt-caching API (cache_control, prompt_cache_key).",
      "prompt_cache_pins"),
     ("prompt_cache_pinned_blocks", "Block references the prompt-caching pins hold.", "prompt_cache_pinned_blocks"),
+    ("spec_decode_acceptance_ratio", "Accepted / proposed speculative draft tokens since start (0 before any).",
+     "spec_acceptance_rate"),
 ]
 ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
@@ -74,6 +79,10 @@ ENGINE_COUNTERS: list[tuple[str, str, str]] = [
     ("prompt_cache_pins_expired", "Pins released when their TTL passed.", "prompt_cache_pins_expired"),
     ("prompt_cache_pins_evicted", "Pins released early: memory pressure or the pins' budget.",
      "prompt_cache_pins_evicted"),
+    ("spec_decode_verifies", "Speculative verify chunks run (a decode step that carried drafts).", "spec_verifies"),
+    ("spec_decode_draft_tokens", "Draft tokens proposed by speculative decoding.", "spec_draft_tokens"),
+    ("spec_decode_accepted_tokens", "Draft tokens accepted (equal to what the model produced there).",
+     "spec_accepted_tokens"),
 ]
 
 # (stats key, metric name, help, kind) per KV tier

@@ -5,12 +5,15 @@ request's tokens, built only from the chunks' ``new_token_ids``, and a fake KV s
 token id). Each chunk writes its tokens at the slots its block ids give; a sampling chunk then
 reads the whole context back *through the block ids* and derives the next token from what it
 read. Wrong block tables, a shared block overwritten, a stale prefix hit or a wrong ``new_token_ids``
-change the tokens, so comparing against a run alone catches them.
+change the tokens, so comparing against a run alone catches them. A verify chunk
+(``num_sample = k + 1``) is checked the way the model runner checks it, position by position.
 """
 
 from __future__ import annotations
 
-from kvserve.contract import CopyBlock, RunnerOutput, SampledTokens, SchedulerOutput
+from collections.abc import Callable
+
+from kvserve.contract import CopyBlock, RunnerOutput, SampledTokens, ScheduledChunk, SchedulerOutput
 
 
 def next_token(context: list[int]) -> int:
@@ -25,8 +28,10 @@ def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> li
 
 
 class FakeRunner:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, rule: Callable[[list[int]], int] = next_token) -> None:
         self.block_size = block_size
+        self.rule = rule  # the "model": next token of a context
+        self.verified: list[tuple[int, int]] = []  # per sampled chunk: (drafts, accepted)
         self.store: dict[int, int] = {}
         self.tokens: dict[str, list[int]] = {}  # what the runner has been told, per request
         self.steps = 0
@@ -56,5 +61,20 @@ class FakeRunner:
         for c in plan.chunks:
             if c.sample:
                 context = [self.store[s] for s in slots_for(c.block_ids, 0, c.end, bs)]
-                out.sampled[c.request_id] = SampledTokens([next_token(context)])
+                out.sampled[c.request_id] = SampledTokens(self._verify(c, context))
         return out
+
+    def _verify(self, c: ScheduledChunk, context: list[int]) -> list[int]:
+        """The token after each of the chunk's last ``num_sample`` positions, cut after the first
+        that disagrees with the draft at the next position (the real runner's rule); the
+        rejected drafts leave this runner's copy."""
+        first = c.end - c.num_sample
+        tokens: list[int] = []
+        for j in range(c.num_sample):
+            token = self.rule(context[:first + j + 1])
+            tokens.append(token)
+            if first + j + 1 < c.end and context[first + j + 1] != token:
+                break
+        del self.tokens[c.request_id][first + len(tokens):]
+        self.verified.append((c.num_sample - 1, len(tokens) - 1))
+        return tokens

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from typer.testing import CliRunner
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.config_file import DeploymentExtras, write_config_file
 from kvserve.model.loader import load_tokenizer
 from kvserve.request import CompletionOutput, RequestOutput
@@ -124,6 +124,20 @@ def test_build_engine_config_reads_the_planner_file_and_flags_win(tmp_path, tiny
     bad = tmp_path / "bad.json"
     bad.write_text('{"model": "x", "cache": {"block_size": "big"}}')
     with pytest.raises(ValueError, match="block_size"):
+        build_engine_config(None, str(bad))
+
+
+def test_speculative_settings_round_trip_the_config_file_and_the_flags(tmp_path, tiny_model):
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, ngram_min=1, max_num_seqs=2)
+    eng = EngineConfig(model=str(tiny_model), scheduler=SchedulerConfig(speculative=spec))
+    path = write_config_file(tmp_path / "plan.json", eng, DeploymentExtras())
+    assert build_engine_config(None, str(path)).scheduler.speculative == spec
+    flags = build_engine_config(None, str(path), num_speculative_tokens=5).scheduler.speculative
+    assert flags == dataclasses.replace(spec, num_speculative_tokens=5)
+    assert build_engine_config(str(tiny_model), None, speculative="ngram").scheduler.speculative.enabled
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "x", "scheduler": {"speculative": {"method": "eagle"}}}')
+    with pytest.raises(ValueError, match="speculative"):
         build_engine_config(None, str(bad))
 
 

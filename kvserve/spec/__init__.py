@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the scheduler's drafting policy (no torch)."""
