@@ -363,6 +363,7 @@ class AsyncLLMEngine:
             e2e_s=now - live.arrival,
             kv_gib_s=live.kv_byte_s / GIB,
             kv_hit_tokens=dict(out.kv_hit_tokens),
+            kv_miss_tokens=dict(out.kv_miss_tokens),
         )
         for lis in self.listeners:
             lis.on_finished(fin, now)

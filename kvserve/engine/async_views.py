@@ -33,6 +33,7 @@ class FinishedRequest:
     e2e_s: float            # arrival → end
     kv_gib_s: float         # ∫ KV bytes held by the request dt, in GiB·s
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused per place (pool, host …)
+    kv_miss_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens recomputed, by reason
 
 
 class EngineListener(Protocol):

@@ -90,4 +90,5 @@ class OutputProcessor:
             outputs=completions, finished=all(c.status.finished for c in g.children),
             num_cached_tokens=lead.num_cached_tokens, metrics=metrics, error=errors[0] if errors else None,
             kv_hit_tokens=dict(lead.kv_hit_tokens), kv_load_seconds=lead.kv_load_seconds,
+            kv_miss_tokens=dict(lead.kv_miss_tokens or {}),
         )

@@ -34,6 +34,7 @@ class Loading:
     loads: list[tuple[BlockHash, int, str]]
     hit_tokens: dict[str, int] = field(default_factory=dict)  # filled by finish
     load_seconds: float = 0.0
+    failed: frozenset[BlockHash] = frozenset()  # loads from the first that failed on (recomputed)
 
 
 class TierSeam:
@@ -78,8 +79,11 @@ class TierSeam:
             out.append((h, tier))
         return out
 
-    def begin(self, pool_hits: Sequence[int], tier_hits: list[tuple[BlockHash, str]], ops: list[BlockOp]) -> Loading | None:
-        """Hold the pool hits and allocate targets for as many tier hits as free blocks allow."""
+    def begin(self, pool_hits: Sequence[int | None], tier_hits: list[tuple[BlockHash, str]],
+              ops: list[BlockOp]) -> Loading | None:
+        """Hold the pool hits (a ``None`` one, outside the request's window, is not held) and
+        allocate targets for as many tier hits as free blocks allow."""
+        pool_hits = [b for b in pool_hits if b is not None]
         n = min(len(tier_hits), self.pool.num_free - sum(1 for b in pool_hits if self.pool.ref_count(b) == 0))
         if n <= 0:
             return None
@@ -92,10 +96,11 @@ class TierSeam:
     def finish(self, loading: Loading, results: dict[BlockHash, LoadResult]) -> None:
         """Make the loaded prefix findable, then release every held block."""
         ok = True
-        for h, block, _ in loading.loads:
+        for j, (h, block, _) in enumerate(loading.loads):
             r = results.get(h)
             ok = ok and r is not None and r.tier is not None
             if not ok:
+                loading.failed = frozenset(x for x, _, _ in loading.loads[j:])
                 break
             assert r is not None and r.tier is not None
             c = self.index.counters.get(r.tier)

@@ -134,6 +134,8 @@ class ModelRunner:
     def _run(self, chunks: Sequence[ScheduledChunk]) -> RunnerOutput:
         hidden, inputs = self._forward(chunks)
         result = RunnerOutput()
+        if inputs.meta.block_scores:  # only chunks whose policy asked (ScheduledChunk.score_queries)
+            result.block_scores = {chunks[i].request_id: s.tolist() for i, s in inputs.meta.block_scores.items()}
         if not inputs.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -166,6 +168,8 @@ class ModelRunner:
                 log.warning("request %s failed: %r", c.request_id, e)
                 continue
             merged.sampled.update(one.sampled)
+            if one.block_scores:
+                merged.block_scores = {**(merged.block_scores or {}), **one.block_scores}
             merged.failed.update(one.failed)
         if len(errors) == len(chunks):
             raise batch_error

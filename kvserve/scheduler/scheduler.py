@@ -25,6 +25,7 @@ from collections.abc import Callable
 from kvserve.config import SchedulerConfig
 from kvserve.contract import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from kvserve.kv.manager import ComputedBlocks, KVCacheManager
+from kvserve.kv.press import PressSpec
 from kvserve.kv.tier_seam import Loading
 from kvserve.request import Request, RequestStatus
 
@@ -48,11 +49,13 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise ValueError if it could never fit."""
-        self.validate(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        self.validate(req.num_prompt_tokens, req.sampling_params.max_tokens, req.kv_press)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def validate(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def validate(self, num_prompt_tokens: int, max_tokens: int, press: PressSpec | None = None) -> None:
+        """Raise ValueError for a request that could never run. A windowed request (the model's
+        window, a ``sinks`` policy) needs only the blocks its window spans at its widest step."""
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty; give at least one token")
         total = num_prompt_tokens + max_tokens
@@ -62,7 +65,8 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
         capacity = self.kv.num_blocks * self.kv.block_size
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else total
+        if self.kv.peak_blocks(press, total, chunk) > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens can never fit the KV pool of {capacity} tokens "
                 f"({self.kv.num_blocks} blocks); raise kv_cache_memory or lower max_tokens"
@@ -136,6 +140,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.num_computed_tokens = computed.num_tokens
+            if req.kv_miss_tokens is None:  # the ledger, once: why the rest is computed
+                req.kv_miss_tokens = self.kv.miss_reasons(req, computed)
             if req.num_cached_tokens == 0 and computed.num_tokens:  # the ledger: where the hit came from
                 below = sum(req.kv_hit_tokens.values())
                 req.kv_hit_tokens["pool"] = max(0, computed.num_tokens - below)
@@ -158,8 +164,9 @@ class Scheduler:
         new = req.token_ids_from(told)
         self._told[req.request_id] = told + len(new)
         start = req.num_computed_tokens
+        window, sinks = self.kv.window_of(req)
         return ScheduledChunk(req.request_id, start, n, new, list(self.kv.block_table(req.request_id)),
-                              1 if start + n == req.num_tokens else 0)
+                              1 if start + n == req.num_tokens else 0, window=window, sinks=sinks)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self._told.pop(req.request_id, None) is not None:
@@ -194,6 +201,7 @@ class Scheduler:
             # whose j drafts were accepted returns j + 1 tokens; rejected drafts' slots are rewritten.
             req.num_computed_tokens = chunk.end - chunk.num_sample + min(len(tokens), chunk.num_sample)
             self.kv.cache_blocks(req)
+            self.kv.forget(req)  # after caching: a block outside the window stays findable
             if not tokens:
                 continue
             if req.first_token_time is None:
@@ -223,6 +231,7 @@ class Scheduler:
             self.kv.tiers.finish(loading, found)
             req.kv_hit_tokens.update(loading.hit_tokens)
             req.kv_load_seconds += loading.load_seconds
+            req.kv_failed_loads = loading.failed
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 

@@ -173,8 +173,12 @@ def usage_of(outputs: list[RequestOutput], prices: Prices | None = None) -> Usag
     for o in outputs:
         for place, n in o.kv_hit_tokens.items():
             hits[place] = hits.get(place, 0) + n
+    misses: dict[str, int] = {}
+    for o in outputs:
+        for reason, n in o.kv_miss_tokens.items():
+            misses[reason] = misses.get(reason, 0) + n
     kv = KVUsage(hit_tokens=hits, recomputed_tokens=prompt - cached,
-                 load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3))
+                 load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3), miss_tokens=misses)
     cost = prices.cost(prompt, cached, completion) if prices is not None and prices.enabled else None
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), kv=kv, cost=cost)

@@ -66,7 +66,7 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     session_id: str | None = None
-    session_overflow: Literal["error", "drop_oldest"] | None = None
+    session_overflow: Literal["error", "drop_oldest", "window"] | None = None
     cache_salt: str | None = None
     kv_cache_dtype: str | None = None
     return_token_ids: bool = False
@@ -133,11 +133,13 @@ class PromptTokensDetails(_Response):
 
 class KVUsage(_Response):
     """Where the prompt's KV came from: tokens found per place, tokens recomputed, time loading
-    from the tiers (docs/tiers.md)."""
+    from the tiers (docs/tiers.md), and why the recomputed tokens were not found
+    (``miss_tokens``: reason -> tokens; docs/eviction.md)."""
 
     hit_tokens: dict[str, int]
     recomputed_tokens: int
     load_ms: float
+    miss_tokens: dict[str, int] = {}
 
 
 class Usage(_Response):
