@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.kv.press import PressSpec, droppable, peak_blocks
+from kvserve.kv.press.importance import h2o_drops, snapkv_drops
 from kvserve.request import Request
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class Forgetting:
     dropped_blocks: int
     _tables: dict[str, list[int | None]]
     _lossy_from: dict[str, int]  # request id -> the position its importance policy first dropped at
+    _scores: dict[str, list[float]]  # h2o: attention accumulated per logical block
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks of the request's table it still holds (dropped entries excluded)."""
@@ -87,6 +89,37 @@ class Forgetting:
         first = next((i for i, b in enumerate(blocks) if b is None and i not in model_gone), None)
         if first is not None:
             self._lossy_from.setdefault(req.request_id, first * self.block_size)
+
+    def score_queries(self, req: Request, start: int, num_new: int) -> int:
+        """How many of a chunk's last queries score blocks for ``req``'s policy: SnapKV's
+        observation window on the chunk that ends the prompt, every query for H2O, else 0."""
+        press = req.kv_press
+        if press is None:
+            return 0
+        if press.name == "snapkv":
+            return min(press.observe_tokens, num_new) if start + num_new == req.num_prompt_tokens else 0
+        return num_new if press.name == "h2o" else 0
+
+    def apply_scores(self, req: Request, scores: list[float] | None) -> int:
+        """An importance policy reads this step's block scores and drops what it chooses (never a
+        shared block). Returns how many blocks were released."""
+        press = req.kv_press
+        table = self._tables.get(req.request_id)
+        if press is None or scores is None or not table:
+            return 0
+        held = [b is not None for b in table]
+        shared = [b is not None and self.pool.ref_count(b) > 1 for b in table]
+        if press.name == "snapkv":
+            drops = snapkv_drops(press, scores, held, shared, req.num_prompt_tokens, self.block_size)
+        elif press.name == "h2o":
+            acc = self._scores.setdefault(req.request_id, [])
+            acc.extend([0.0] * (len(scores) - len(acc)))
+            for i, x in enumerate(scores):
+                acc[i] += x
+            drops = h2o_drops(press, acc, held, shared, req.num_computed_tokens, self.block_size)
+        else:
+            return 0
+        return self.drop_blocks(req, drops)
 
     def forget(self, req: Request) -> int:
         """Give back the blocks of ``req`` no later query reads (outside its window, past its

@@ -27,8 +27,7 @@ query of its reads them again (the model's sliding window, a ``sinks`` or import
 any freed block; a request never writes into or reads a dropped entry.
 
 Invariant (``check()``): every reference a block holds belongs to exactly one held (not dropped)
-block-table entry or session block, so ``sum(ref counts) == held table entries + held session
-blocks``.
+block-table entry or session block: ``sum(ref counts) == held table and session entries``.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
 from kvserve.kv.forgetting import Forgetting
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
-from kvserve.kv.miss_ledger import MissLedger
+from kvserve.kv.miss_ledger import MissLedger, MissReasons
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.kv.tier_seam import Loading, TierSeam
 from kvserve.request import Request, RequestStatus
@@ -92,7 +91,7 @@ def default_root_key(block_size: int) -> BlockHash:
     return root_key("unnamed-model", "unnamed-codec", block_size)
 
 
-class KVCacheManager(Forgetting):
+class KVCacheManager(Forgetting, MissReasons):
     """Block tables over one :class:`BlockPool`, with prefix caching and sessions."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -118,6 +117,7 @@ class KVCacheManager(Forgetting):
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
         self._lossy_from: dict[str, int] = {}
+        self._scores: dict[str, list[float]] = {}
         self.misses = MissLedger(policy="lru")  # why prompt tokens were not found (usage.kv.miss_tokens)
         self.pool.subscribe(self.misses.on_event)
         self._content_root = request_root(self.root_key, "\x00content", "\x00content")
@@ -163,25 +163,6 @@ class KVCacheManager(Forgetting):
         hashes = hash_full_blocks(req.all_token_ids, self.block_size, root, self._hashes.get(req.request_id))
         self._hashes[req.request_id] = hashes
         return hashes
-
-    def _content_hashes(self, req: Request) -> list[BlockHash]:
-        """Chained hashes of the request's full blocks' tokens alone (no salt, no codec)."""
-        out = hash_full_blocks(req.all_token_ids, self.block_size, self._content_root,
-                               self._contents.get(req.request_id))
-        self._contents[req.request_id] = out
-        return out
-
-    def miss_reasons(self, req: Request, computed: ComputedBlocks) -> dict[str, int]:
-        """Why ``req``'s tokens after ``computed`` were not found (:mod:`kvserve.kv.miss_ledger`);
-        empty with prefix caching off."""
-        if not self.enable_prefix_caching or computed.num_tokens >= req.num_tokens:
-            return {}
-        press = req.kv_press
-        lossy = "dropped_window" if press is not None and press.name == "sinks" else "dropped_policy"
-        return self.misses.classify(req.num_tokens, computed.num_tokens, self.block_size, self._block_hashes(req),
-                                    self._content_hashes(req), req.cache_salt, req.kv_cache_dtype,
-                                    lambda h: self.pool.lookup(h) is not None, self.canonical_tokens(req), lossy,
-                                    req.kv_failed_loads)
 
     # -- the scheduler's calls ---------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
@@ -349,6 +330,7 @@ class KVCacheManager(Forgetting):
         table = self._tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
         self._lossy_from.pop(req.request_id, None)  # a preempted request recomputes with all its KV
+        self._scores.pop(req.request_id, None)
         session = self.sessions.get(req.session_id) if req.session_id else None
         if session is not None and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             if session.blocks:  # a turn under another salt did not take the session's old blocks

@@ -23,9 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.kv.events import BlockRemoved, CacheEvent
-from kvserve.kv.hashing import BlockHash
+from kvserve.kv.hashing import BlockHash, hash_full_blocks
+
+if TYPE_CHECKING:
+    from kvserve.kv.block_pool import BlockPool
+    from kvserve.kv.manager import ComputedBlocks
+    from kvserve.request import Request
 
 REASONS = ("never_seen", "evicted", "dropped_window", "dropped_policy", "different_salt", "different_codec",
            "partial_block", "tier_load_failed")
@@ -96,3 +102,38 @@ class MissLedger:
         if any(s != salt for s, _ in keys):
             return "different_salt"
         return "different_codec" if keys else "never_seen"
+
+
+class MissReasons:
+    """The KV manager's side (a mixin of :class:`kvserve.kv.manager.KVCacheManager`)."""
+
+    block_size: int
+    enable_prefix_caching: bool
+    pool: BlockPool
+    misses: MissLedger
+    _content_root: BlockHash
+    _contents: dict[str, list[BlockHash]]
+
+    if TYPE_CHECKING:
+        def _block_hashes(self, req: Request) -> list[BlockHash]: ...  # the manager's
+        def canonical_tokens(self, req: Request) -> int | None: ...  # the forgetting mixin's
+
+    def _content_hashes(self, req: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks' tokens alone (no salt, no codec)."""
+        out = hash_full_blocks(req.all_token_ids, self.block_size, self._content_root,
+                               self._contents.get(req.request_id))
+        self._contents[req.request_id] = out
+        return out
+
+    def miss_reasons(self, req: Request, computed: ComputedBlocks) -> dict[str, int]:
+        """Why ``req``'s tokens after ``computed`` were not found (:mod:`kvserve.kv.miss_ledger`);
+        empty with prefix caching off."""
+        if not self.enable_prefix_caching or computed.num_tokens >= req.num_tokens:
+            return {}
+        press = req.kv_press
+        lossy = "dropped_window" if press is not None and press.name == "sinks" else "dropped_policy"
+        return self.misses.classify(req.num_tokens, computed.num_tokens, self.block_size, self._block_hashes(req),
+                                    self._content_hashes(req), req.cache_salt, req.kv_cache_dtype,
+                                    lambda h: self.pool.lookup(h) is not None, self.canonical_tokens(req), lossy,
+                                    req.kv_failed_loads)
+

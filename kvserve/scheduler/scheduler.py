@@ -166,7 +166,8 @@ class Scheduler:
         start = req.num_computed_tokens
         window, sinks = self.kv.window_of(req)
         return ScheduledChunk(req.request_id, start, n, new, list(self.kv.block_table(req.request_id)),
-                              1 if start + n == req.num_tokens else 0, window=window, sinks=sinks)
+                              1 if start + n == req.num_tokens else 0, window=window, sinks=sinks,
+                              score_queries=self.kv.score_queries(req, start, n))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self._told.pop(req.request_id, None) is not None:
@@ -202,6 +203,8 @@ class Scheduler:
             req.num_computed_tokens = chunk.end - chunk.num_sample + min(len(tokens), chunk.num_sample)
             self.kv.cache_blocks(req)
             self.kv.forget(req)  # after caching: a block outside the window stays findable
+            if result.block_scores:
+                self.kv.apply_scores(req, result.block_scores.get(chunk.request_id))
             if not tokens:
                 continue
             if req.first_token_time is None:
