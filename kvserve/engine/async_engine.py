@@ -189,7 +189,7 @@ class AsyncLLMEngine:
     async def add_request(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None,
                           session_id: str | None = None, cache_salt: str | None = None,
                           kv_cache_dtype: str | None = None, session_overflow: str | None = None,
-                          tenant: str | None = None,
+                          tenant: str | None = None, kv_press: str | None = None,
                           restart_session: bool = False, expect_session_tokens: int | None = None,
                           check_session: bool = False,
                           on_done: Callable[[RequestOutput | None], None] | None = None) -> RequestStream:
@@ -206,6 +206,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         n = params.n
         extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "session_overflow": session_overflow,
+                                 "kv_press": kv_press,
                                  "tenant": tenant if session_id is not None else None}
 
         def add(engine: LLMEngine) -> None:

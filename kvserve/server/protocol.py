@@ -12,7 +12,7 @@ though declared so the message can say why: ``functions``, ``function_call``,
 kvserve extensions (vLLM's names where vLLM has one): ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``stop_token_ids``,
 ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``session_id``,
-``session_overflow``, ``cache_salt``, ``kv_cache_dtype``, ``return_token_ids``.
+``session_overflow``, ``cache_salt``, ``kv_cache_dtype``, ``kv_press``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class _SamplingRequest(_Request):
     session_overflow: Literal["error", "drop_oldest", "window"] | None = None
     cache_salt: str | None = None
     kv_cache_dtype: str | None = None
+    kv_press: str | None = None  # a KV eviction policy: "sinks:S,W", "snapkv:RATIO", "h2o:RATIO" (docs/eviction.md)
     return_token_ids: bool = False
 
 
