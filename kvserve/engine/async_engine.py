@@ -324,12 +324,13 @@ class AsyncLLMEngine:
                 live.stream.done_threadsafe(out)
 
     def _account_kv(self, dt: float) -> None:
-        """Charge each running request for the blocks it held during the last step."""
+        """Charge each running request for the blocks it held during the last step (dropped
+        entries of its table excluded: docs/eviction.md)."""
         kv = self.engine.kv
         for req in self.engine.scheduler.running:
             live = self._live.get(req.group_id or req.request_id)
             if live is not None:
-                live.kv_byte_s += len(kv.block_table(req.request_id)) * self._block_bytes * dt
+                live.kv_byte_s += kv.num_held_blocks(req.request_id) * self._block_bytes * dt
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
         gaps: list[float] = []

@@ -7,6 +7,7 @@ tokens that are always computed (``partial_block``). Every result sums to the mi
 from __future__ import annotations
 
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.miss_ledger import MissLedger
 from kvserve.kv.press import PressSpec
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -74,3 +75,11 @@ def test_a_sinks_request_computes_its_own_kv_past_its_canonical_boundary() -> No
     kv2 = KVCacheManager(num_blocks=16, block_size=4)
     admit_run_finish(kv2, make("s", PROMPT, press=press))
     assert admit_run_finish(kv2, make("plain", PROMPT)) == {"never_seen": 4, "partial_block": 2}
+
+
+def test_a_block_a_tier_failed_to_load_is_named() -> None:
+    """The tiers held both full blocks but the first load failed: both are recomputed for that."""
+    ledger = MissLedger()
+    hashes, contents = [b"h0" * 16, b"h1" * 16], [b"c0" * 16, b"c1" * 16]
+    got = ledger.classify(10, 0, 4, hashes, contents, None, None, lambda h: False, failed=frozenset(hashes))
+    assert got == {"tier_load_failed": 8, "partial_block": 2}
