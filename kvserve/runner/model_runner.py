@@ -188,6 +188,14 @@ class ModelRunner:
         hidden, _ = self._forward(out.chunks)
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def score_blocks(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """As :meth:`score`, with the block scores the chunks asked for (``score_queries``)."""
+        self._prepare(out)
+        hidden, inputs = self._forward(out.chunks)
+        scores = {out.chunks[i].request_id: s.tolist() for i, s in inputs.meta.block_scores.items()}
+        return self.model.compute_logits(hidden), scores
+
     def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local KV tier holds (the disk tier's index rebuilt at start-up)."""
         return self.tiers.snapshot() if self.tiers else {}
