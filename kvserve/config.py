@@ -240,7 +240,10 @@ class CacheConfig:
     num_blocks_override: int | None = None
     session_idle_timeout_s: float = 600.0
     max_session_tokens: int | None = None
-    session_overflow: str = "error"  # or "drop_oldest": drop the oldest turns to fit
+    # or "drop_oldest": drop the oldest turns to fit (recomputed), or "window": keep the first
+    # session_sink_tokens and the last tokens in KV (StreamingLLM, no recompute; docs/eviction.md)
+    session_overflow: str = "error"
+    session_sink_tokens: int = 4  # DEFAULT_SINK_TOKENS
     session_retention_s: float | None = None  # history forgotten after this idle time (None: idle timeout + 30 min)
     max_sessions_per_tenant: int | None = None  # a new session past it forgets the tenant's LRU idle one
     # KV tiers below the pool (kvserve/kv/tiers; docs/tiers.md): each optional and sized
@@ -301,7 +304,10 @@ class CacheConfig:
         if self.max_sessions_per_tenant is not None and self.max_sessions_per_tenant <= 0:
             raise ValueError(f"max_sessions_per_tenant must be > 0, got {self.max_sessions_per_tenant}")
         if self.session_overflow not in SESSION_OVERFLOW:
-            raise ValueError(f"session_overflow must be 'error' or 'drop_oldest', got {self.session_overflow!r}")
+            raise ValueError(f"session_overflow must be one of {', '.join(SESSION_OVERFLOW)}, "
+                             f"got {self.session_overflow!r}")
+        if self.session_sink_tokens < 0:
+            raise ValueError(f"session_sink_tokens must be >= 0, got {self.session_sink_tokens}")
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -370,7 +376,7 @@ class SchedulerConfig:
 
 RUNNER_KINDS = ("inline", "process")
 DEFAULT_SINK_TOKENS = 4
-SESSION_OVERFLOW = ("error", "drop_oldest")
+SESSION_OVERFLOW = ("error", "drop_oldest", "window")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.kv.press.spec import PressSpec
 from kvserve.sampling_params import SamplingParams
 
 
@@ -67,6 +68,7 @@ class Request:
     cache_salt: str | None = None
     session_id: str | None = None
     kv_cache_dtype: str | None = None  # per-request KV codec override (canonical name); None = the engine's
+    kv_press: PressSpec | None = None  # an opt-in KV eviction policy (kvserve.kv.press); None = keep all KV
     seed: int = 0  # this sample's concrete sampling seed (drawn by the engine when none was given)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -82,6 +84,8 @@ class Request:
     # the KV ledger: prompt tokens found per place ("pool", "host", "disk", "remote"), load time
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)
     kv_load_seconds: float = 0.0
+    kv_miss_tokens: dict[str, int] | None = None  # why the rest was recomputed (kvserve.kv.miss_ledger)
+    kv_failed_loads: frozenset[bytes] = frozenset()  # block hashes a tier held but failed to load
     tiers_checked: bool = False  # a request consults the tiers once (what fails to load is recomputed)
     # the prompt-caching API (kvserve.kv.prefix_pins): (pin key or None, prompt tokens, TTL s) to
     # pin when the request finishes; tokens newly written to a pin (not read from the cache)
@@ -171,3 +175,4 @@ class RequestOutput:
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused, per tier ("pool", "disk" …)
     kv_load_seconds: float = 0.0  # time spent loading KV from the tiers
     cache_write_tokens: int = 0  # prompt tokens this request wrote into a pinned prefix (prompt caching)
+    kv_miss_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens recomputed, by reason

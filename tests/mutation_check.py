@@ -71,6 +71,18 @@ MUTATIONS: tuple[Mutation, ...] = (
                    "self.outputs.children(request_id)[:1]"),),
              (("tests/engine/test_engine_sampling.py",),
               ("tests/server/test_errors.py", "-k", "disconnect"))),
+    Mutation("a window drops one block it still reads",
+             (Edit("kvserve/kv/press/window.py", "droppable", "num_computed + 1 - window) // block_size",
+                   "num_computed + 1 - window) // block_size + 1"),),
+             (("tests/kv/test_press_policies.py",), ("tests/scheduler/test_scheduler_forgetting.py",))),
+    Mutation("lossy KV is cached as if canonical",
+             (Edit("kvserve/kv/forgetting.py", "canonical_tokens", "return min(bounds) if bounds else None",
+                   "return None"),),
+             (("tests/kv/test_miss_reasons.py",), ("tests/engine/test_sinks_window.py", "-k", "batch_of_eight"))),
+    Mutation("sinks ignored when the window starts inside a chunk",
+             (Edit("kvserve/model/attention_kept.py", "needs_kept_path", "window is not None and seq_len > window",
+                   "window is not None and seq_len - q_len - window + 1 > 0"),),
+             (("tests/model/test_attention_kept.py",),)),
 )
 
 

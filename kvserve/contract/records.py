@@ -47,14 +47,23 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
 
     ``num_sample`` is how many of the chunk's last positions produce a next token: 0 for a
     mid-prompt chunk, 1 when the chunk reaches the last known token, ``k + 1`` when it verifies
-    ``k`` draft tokens."""
+    ``k`` draft tokens.
+
+    ``block_ids`` is the request's block table; a ``None`` entry is a block the request dropped
+    (outside its window, or evicted by a policy): never written, never read. ``window`` and
+    ``sinks``: the request's attention reads keys ``k <= q`` with ``k > q - window`` or
+    ``k < sinks`` (``window`` None: every key). ``score_queries``: report, per block, the attention
+    the chunk's last ``score_queries`` queries pay it (``RunnerOutput.block_scores``; 0: none)."""
 
     request_id: str
     start: int
     num_new_tokens: int
     new_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[int | None]
     num_sample: int = 0
+    window: int | None = None
+    sinks: int = 0
+    score_queries: int = 0
 
     @property
     def end(self) -> int:

@@ -209,7 +209,7 @@ class AsyncLLMEngine:
     async def add_request(self, prompt: PromptType, params: SamplingParams, *, request_id: str | None = None,
                           session_id: str | None = None, cache_salt: str | None = None,
                           kv_cache_dtype: str | None = None, session_overflow: str | None = None,
-                          tenant: str | None = None,
+                          tenant: str | None = None, kv_press: str | None = None,
                           restart_session: bool = False, expect_session_tokens: int | None = None,
                           check_session: bool = False,
                           cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None,
@@ -227,6 +227,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         n = params.n
         extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "session_overflow": session_overflow,
+                                 "kv_press": kv_press,
                                  "tenant": tenant if session_id is not None else None,
                                  "cache_control": tuple(cache_control), "prompt_cache_key": prompt_cache_key}
 
@@ -353,12 +354,13 @@ class AsyncLLMEngine:
                 live.stream.done_threadsafe(out)
 
     def _account_kv(self, dt: float) -> None:
-        """Charge each running request for the blocks it held during the last step."""
+        """Charge each running request for the blocks it held during the last step (dropped
+        entries of its table excluded: docs/eviction.md)."""
         kv = self.engine.kv
         for req in self.engine.scheduler.running:
             live = self._live.get(req.group_id or req.request_id)
             if live is not None:
-                live.kv_byte_s += len(kv.block_table(req.request_id)) * self._block_bytes * dt
+                live.kv_byte_s += kv.num_held_blocks(req.request_id) * self._block_bytes * dt
 
     def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
         observe(self.listeners, live, out, now)
@@ -379,6 +381,7 @@ class AsyncLLMEngine:
             kv_gib_s=live.kv_byte_s / GIB,
             kv_hit_tokens=dict(out.kv_hit_tokens),
             cache_write_tokens=out.cache_write_tokens,
+            kv_miss_tokens=dict(out.kv_miss_tokens),
         )
         for lis in self.listeners:
             lis.on_finished(fin, now)

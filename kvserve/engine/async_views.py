@@ -34,6 +34,7 @@ class FinishedRequest:
     kv_gib_s: float         # ∫ KV bytes held by the request dt, in GiB·s
     kv_hit_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens reused per place (pool, host …)
     cache_write_tokens: int = 0  # prompt tokens written to a pinned prefix (prompt caching)
+    kv_miss_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens recomputed, by reason
 
 
 class EngineListener(Protocol):

@@ -34,6 +34,7 @@ from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_pins import cache_pins
+from kvserve.kv.press import PressSpec, parse_press
 from kvserve.kv.session_store import attach_session_stores
 from kvserve.kv.sessions import Session
 from kvserve.model.loader import load_model_config, load_tokenizer
@@ -80,7 +81,10 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
                                                 self.max_model_len, self.device, config.scheduler.max_num_seqs)
-        self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, config.scheduler.max_model_len)
+        sched = config.scheduler
+        chunk = sched.max_num_batched_tokens if sched.enable_chunked_prefill else self.max_model_len
+        self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, sched.max_model_len,
+                                               self.model_config.sliding_window, chunk)
         log.info(self.capacity.summary())
         self.codecs = CodecPairs.for_model(self.model_config, self.kv_dtype, config.cache, self.capacity.block_size)
         root = root_key(model_identity(config.model), self.kv_dtype, self.capacity.block_size)
@@ -91,7 +95,8 @@ class LLMEngine:
                                  tier_write=config.cache.kv_tier_write,
                                  session_idle_timeout_s=config.cache.session_idle_timeout_s,
                                  session_retention_s=config.cache.session_retention_s,
-                                 max_sessions_per_tenant=config.cache.max_sessions_per_tenant)
+                                 max_sessions_per_tenant=config.cache.max_sessions_per_tenant,
+                                 sliding_window=self.model_config.sliding_window)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
                           config.num_threads, config.seed, root)
@@ -156,7 +161,8 @@ class LLMEngine:
                     request_id: str | None = None, cache_salt: str | None = None,
                     session_id: str | None = None, kv_cache_dtype: str | None = None,
                     tenant: str | None = None, session_overflow: str | None = None,
-                    cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None) -> str:
+                    cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None,
+                    kv_press: str | PressSpec | None = None) -> str:
         """Queue a request (``n`` samples become ``n`` sibling sequences). Raises ValueError for
         input that can never run; nothing is queued then. ``kv_cache_dtype`` overrides the engine's
         KV codec for this request (it must fit the pool's blocks: docs/kv-quant.md).
@@ -169,16 +175,21 @@ class LLMEngine:
         Prompt caching (:mod:`kvserve.kv.prefix_pins`): ``cache_control`` lists ``(prompt tokens,
         TTL seconds)`` prefixes to pin when the request finishes; ``prompt_cache_key`` pins the
         whole prompt for 5 minutes under that key (the key's previous prompt is let go). Not for
-        session turns: a session keeps its own history's KV."""
+        session turns: a session keeps its own history's KV.
+
+        ``kv_press`` opts this request into a KV eviction policy (``"sinks:4,1024"``,
+        ``"snapkv:0.5"``, ``"h2o:0.5"``: docs/eviction.md); off by default."""
         params = params or SamplingParams()
+        press = parse_press(kv_press)
         text, ids = self.tokenize(prompt)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.outputs.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         num_new = len(ids)
         if session_id is not None:
-            ids = self._session_prompt(session_id, ids, params, session_overflow)
-        self.scheduler.validate(len(ids), params.max_tokens)
+            ids, windowed = self._session_prompt(session_id, ids, params, session_overflow)
+            press = press or windowed
+        self.scheduler.validate(len(ids), params.max_tokens, press)
         pins = cache_pins(cache_control, prompt_cache_key, len(ids), session_id is not None)
         codec = self._request_codec(kv_cache_dtype)
         if session_id is not None:
@@ -190,7 +201,7 @@ class LLMEngine:
             child = Request(f"{rid}" if params.n == 1 else f"{rid}#{i}", list(ids), params,
                             eos_token_ids=self._eos, group_id=rid, sample_index=i,
                             leader=leader, cache_salt=cache_salt, session_id=session_id,
-                            kv_cache_dtype=codec, seed=base_seed + 1_000_003 * i)
+                            kv_cache_dtype=codec, seed=base_seed + 1_000_003 * i, kv_press=press)
             child.cache_pins = pins
             leader = leader or child
             children.append(child)
@@ -209,8 +220,11 @@ class LLMEngine:
         return canon
 
     def _session_prompt(self, session_id: str, new_ids: list[int], params: SamplingParams,
-                        overflow: str | None = None) -> list[int]:
-        """History + new turn, applying ``max_session_tokens`` (error, or drop the oldest turns)."""
+                        overflow: str | None = None) -> tuple[list[int], PressSpec | None]:
+        """History + new turn, applying ``max_session_tokens`` (error, drop the oldest turns, or
+        ``window``: the turn keeps the first ``session_sink_tokens`` and the last tokens in KV, at
+        most ``max_session_tokens`` in all, under a ``sinks`` policy). Returns the tokens and that
+        policy (None unless ``window`` applies)."""
         if params.n != 1:
             raise ValueError("n > 1 cannot continue a session; use n=1 with session_id")
         session = self.kv.sessions.get(session_id)
@@ -223,14 +237,17 @@ class LLMEngine:
             overflow = overflow or self.config.cache.session_overflow
             if overflow not in SESSION_OVERFLOW:
                 raise ValueError(f"session_overflow must be one of {', '.join(SESSION_OVERFLOW)}, got {overflow!r}")
+            if overflow == "window":
+                sinks = min(self.config.cache.session_sink_tokens, cap - 1)
+                return history + new_ids, PressSpec("sinks", sink_tokens=sinks, window_tokens=cap - sinks)
             if overflow == "error" or session is None:
                 raise ValueError(
                     f"session {session_id!r} would hold {need} tokens (history {len(history)} + new "
                     f"{len(new_ids)} + max_tokens {params.max_tokens}) > max_session_tokens ({cap}); "
-                    f"close the session or enable session_overflow='drop_oldest'"
+                    f"close the session or enable session_overflow='drop_oldest' or 'window'"
                 )
             history = self._drop_oldest_turns(session, need - cap)
-        return history + new_ids
+        return history + new_ids, None
 
     def _drop_oldest_turns(self, session: Session, excess: int) -> list[int]:
         """Drop whole turns from the front until ``excess`` tokens are gone; the KV is released

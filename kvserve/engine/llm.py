@@ -15,6 +15,7 @@ from typing import Any, Self, cast
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.engine.chat_session import ChatTranscript
 from kvserve.engine.engine import LLMEngine, PromptType
+from kvserve.kv.press import PressSpec, parse_press
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class LLM:
         session_idle_timeout_s: float = 600.0,
         max_session_tokens: int | None = None,
         session_overflow: str = "error",
+        session_sink_tokens: int = CacheConfig.session_sink_tokens,
         kv_quant_min_tokens: int = CacheConfig.kv_quant_min_tokens,
         kv_quant_group_size: int | None = None,
         kv_quant_sink_tokens: int = CacheConfig.kv_quant_sink_tokens,
@@ -82,6 +84,7 @@ class LLM:
             session_idle_timeout_s=session_idle_timeout_s,
             max_session_tokens=max_session_tokens,
             session_overflow=session_overflow,
+            session_sink_tokens=session_sink_tokens,
             kv_quant_min_tokens=kv_quant_min_tokens,
             kv_quant_group_size=kv_quant_group_size,
             kv_quant_sink_tokens=kv_quant_sink_tokens,
@@ -120,13 +123,16 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, session_id: str | None = None, cache_salt: str | None = None,
-                 kv_cache_dtype: str | None = None) -> list[RequestOutput]:
+                 kv_cache_dtype: str | None = None, kv_press: str | PressSpec | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. All prompts are
         checked before any is queued, so one bad prompt loses nothing.
 
         ``session_id`` (one prompt only) appends the prompt to that session's history and reuses
         its KV; ``cache_salt`` keeps prefix-cache hits within one tenant; ``kv_cache_dtype``
-        overrides the engine's KV codec for these prompts (docs/kv-quant.md)."""
+        overrides the engine's KV codec for these prompts (docs/kv-quant.md); ``kv_press`` runs them
+        under a KV eviction policy (``"sinks:4,1024"``, ``"snapkv:0.5"``, ``"h2o:0.5"``;
+        docs/eviction.md)."""
+        press = parse_press(kv_press)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -137,17 +143,18 @@ class LLM:
             if len(prompts) != 1:
                 raise ValueError("session_id continues one conversation: pass exactly one prompt")
             rid = self.engine.add_request(prompts[0], params[0], session_id=session_id, cache_salt=cache_salt,
-                                          kv_cache_dtype=kv_cache_dtype)
+                                          kv_cache_dtype=kv_cache_dtype, kv_press=press)
             return [self._run([rid])[0]]
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 _, ids = self.engine.tokenize(p)
-                self.engine.scheduler.validate(len(ids), sp.max_tokens)
+                self.engine.scheduler.validate(len(ids), sp.max_tokens, press)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         if kv_cache_dtype is not None:
             self.engine._request_codec(kv_cache_dtype)  # refuse a bad codec before queuing anything
-        return self._run([self.engine.add_request(p, sp, cache_salt=cache_salt, kv_cache_dtype=kv_cache_dtype)
+        return self._run([self.engine.add_request(p, sp, cache_salt=cache_salt, kv_cache_dtype=kv_cache_dtype,
+                                                  kv_press=press)
                           for p, sp in zip(prompts, params)])
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

@@ -21,6 +21,7 @@ from kvserve.kv.layout import (
     window_block_bytes,
     window_blocks,
 )
+from kvserve.kv.press import peak_blocks
 
 log = logging.getLogger("kvserve")
 
@@ -61,15 +62,19 @@ def kv_capacity(model: ModelConfig, cache: CacheConfig, kv_dtype: str, max_model
         budget = cache.kv_cache_memory
     else:
         budget = int(free_memory_bytes(device) * cache.kv_cache_fraction)
-    return capacity_for_budget(budget, bpt, cache.block_size, max_model_len, w_blocks, w_bytes)
+    return capacity_for_budget(budget, bpt, cache.block_size, max_model_len, w_blocks, w_bytes, model.sliding_window)
 
 
-def fit_max_model_len(max_model_len: int, capacity: KVCapacity, requested: int | None) -> int:
+def fit_max_model_len(max_model_len: int, capacity: KVCapacity, requested: int | None,
+                      sliding_window: int | None = None, chunk_tokens: int = 1) -> int:
     """``max_model_len`` the pool can serve. A length the model's config implied is lowered to the
     pool's token capacity with a warning that names both; one the user asked for is refused (as
-    vLLM does), since every request near it would fail later."""
+    vLLM does), since every request near it would fail later. A windowed model frees blocks
+    behind its window, so a sequence needs only :func:`kvserve.kv.press.peak_blocks` of them
+    (steps of at most ``chunk_tokens``): a pool smaller than ``max_model_len`` can serve it."""
     pool_tokens = capacity.num_blocks * capacity.block_size
-    if max_model_len <= pool_tokens:
+    peak = peak_blocks(max_model_len, capacity.block_size, sliding_window, chunk_tokens)
+    if max_model_len <= pool_tokens or peak <= capacity.num_blocks:
         return max_model_len
     if requested is not None:
         raise ValueError(f"max_model_len {max_model_len} exceeds the KV pool's {pool_tokens} tokens "

@@ -91,4 +91,5 @@ class OutputProcessor:
             num_cached_tokens=lead.num_cached_tokens, metrics=metrics, error=errors[0] if errors else None,
             kv_hit_tokens=dict(lead.kv_hit_tokens), kv_load_seconds=lead.kv_load_seconds,
             cache_write_tokens=lead.cache_write_tokens,
+            kv_miss_tokens=dict(lead.kv_miss_tokens or {}),
         )

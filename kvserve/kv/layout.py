@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
 from kvserve.kv.codec_names import FLOAT_CODECS, resolve_kv_dtype, split_kv_dtype
+from kvserve.kv.press.window import peak_blocks
 
 __all__ = ["FLOAT_KV_DTYPES", "KV_DTYPES", "resolve_kv_dtype", "split_kv_dtype"]
 
@@ -143,6 +144,7 @@ class KVCapacity:
     max_model_len: int
     window_blocks: int = 0
     window_block_bytes: int = 0
+    sliding_window: int | None = None  # the model's (every layer's): blocks behind it are freed
 
     @property
     def token_capacity(self) -> int:
@@ -158,7 +160,9 @@ class KVCapacity:
 
     @property
     def blocks_per_max_len_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        """Blocks a decoding sequence of ``max_model_len`` tokens holds at most (its window's
+        span for a windowed model: :func:`kvserve.kv.press.peak_blocks`)."""
+        return peak_blocks(self.max_model_len, self.block_size, self.sliding_window)
 
     @property
     def max_concurrency_at_max_len(self) -> float:
@@ -179,7 +183,8 @@ class KVCapacity:
 
 
 def capacity_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, max_model_len: int,
-                        window_blocks: int = 0, window_block_bytes: int = 0) -> KVCapacity:
+                        window_blocks: int = 0, window_block_bytes: int = 0,
+                        sliding_window: int | None = None) -> KVCapacity:
     """The number of whole blocks a budget buys after the full-precision window (if any) is set
     aside. Raises if it buys none."""
     if budget_bytes <= 0:
@@ -199,7 +204,7 @@ def capacity_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int
             f"{block_size} tokens × {bytes_per_token} bytes/token); raise kv_cache_memory"
         )
     return KVCapacity(num_blocks, block_size, bytes_per_token, budget_bytes, max_model_len,
-                      window_blocks, window_block_bytes if window_blocks else 0)
+                      window_blocks, window_block_bytes if window_blocks else 0, sliding_window)
 
 
 def model_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "auto", block_size: int | None = None,

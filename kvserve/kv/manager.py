@@ -22,13 +22,18 @@ A finished request may **pin** prefixes of its prompt (the prompt-caching API's 
 and ``prompt_cache_key``: :mod:`kvserve.kv.prefix_pins`): their blocks stay in the pool until a
 deadline that every hit pushes back.
 
+A block table may hold **dropped** entries (``None``): blocks the request gave back because no
+query of its reads them again (the model's sliding window, a ``sinks`` or importance policy:
+:mod:`kvserve.kv.press`). A dropped block stays findable by its hash for other requests, like
+any freed block; a request never writes into or reads a dropped entry.
+
 When the pool runs short, free blocks go first (never-cached, then cached-free in LRU order, by the
 pool), then idle resident sessions (LRU), then pins (LRU); only then does the scheduler preempt
 running requests.
 
-Invariant (``check()``): every reference a block holds belongs to exactly one block-table entry,
-session block, pin entry or tier load in flight, so ``sum(ref counts) == sum(len(tables)) +
-sum(len(session blocks)) + pinned blocks + blocks held by loads``.
+Invariant (``check()``): every reference a block holds belongs to exactly one held (not dropped)
+block-table entry, session block, pin entry or tier load in flight, so ``sum(ref counts) ==
+held table and session entries + pinned blocks + blocks held by loads``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from dataclasses import dataclass, field
 
 from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
+from kvserve.kv.forgetting import Forgetting
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
+from kvserve.kv.miss_ledger import MissLedger, MissReasons
 from kvserve.kv.prefix_pins import PrefixPins
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.kv.tier_seam import Loading, TierSeam
@@ -60,7 +67,7 @@ class BlockSource(enum.Enum):
 class ComputedBlocks:
     """KV already computed for a request's first ``num_tokens`` tokens, held in ``blocks``."""
 
-    blocks: tuple[int, ...] = ()
+    blocks: tuple[int | None, ...] = ()  # None: dropped (outside the request's window), not taken
     num_tokens: int = 0
     source: BlockSource = BlockSource.NONE
 
@@ -91,7 +98,7 @@ def default_root_key(block_size: int) -> BlockHash:
     return root_key("unnamed-model", "unnamed-codec", block_size)
 
 
-class KVCacheManager:
+class KVCacheManager(Forgetting, MissReasons):
     """Block tables over one :class:`BlockPool`, with prefix caching and sessions."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -99,8 +106,9 @@ class KVCacheManager:
                  clock: Callable[[], float] = time.monotonic, session_retention_s: float | None = None,
                  max_sessions_per_tenant: int | None = None, tiers: tuple[str, ...] = (),
                  session_demote_after_s: float | None = None, tier_write: str = "through",
-                 max_pinned_blocks: int | None = None) -> None:
+                 max_pinned_blocks: int | None = None, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # the model's own window: blocks outside it are freed
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # names the model, codec and block size: every block hash chains from it (kv/hashing.py)
@@ -112,12 +120,19 @@ class KVCacheManager:
         self.pins = PrefixPins(self.pool, clock, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
         # with tiers below the pool, an idle session's pool copy goes early: its KV stays in the tiers
         self.session_demote_after_s = session_demote_after_s if tiers else None
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[int | None]] = {}
+        self.dropped_blocks = 0  # blocks given back by windows and policies (a counter)
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
+        self._lossy_from: dict[str, int] = {}
+        self._scores: dict[str, list[float]] = {}
+        self.misses = MissLedger(policy="lru")  # why prompt tokens were not found (usage.kv.miss_tokens)
+        self.pool.subscribe(self.misses.on_event)
+        self._content_root = request_root(self.root_key, "\x00content", "\x00content")
+        self._contents: dict[str, list[BlockHash]] = {}
 
     # -- queries -----------------------------------------------------------------------------
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: str) -> list[int | None]:
         return self._tables.get(request_id, [])
 
     @property
@@ -143,6 +158,8 @@ class KVCacheManager:
         holders += [(s.blocks, s.num_computed) for s in self.sessions.all()]
         for table, n in holders:
             for i, b in enumerate(table):
+                if b is None:
+                    continue
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, n - i * bs)))
         return sum(fill.values())
 
@@ -158,26 +175,33 @@ class KVCacheManager:
     # -- the scheduler's calls ---------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
         """The longest reusable KV prefix of ``req``. At least one token is always left to compute,
-        because the last position's logits are needed to sample."""
+        because the last position's logits are needed to sample. Blocks ``req``'s window would
+        drop at once are not taken (``None`` entries)."""
         limit = req.num_tokens - 1
         session = self.sessions.get(req.session_id) if req.session_id else None
         if (session is not None and session.resident and session.num_computed <= limit
-                and session.cache_salt == req.cache_salt):  # another tenant's KV: the salted cache
+                and session.cache_salt == req.cache_salt  # another tenant's KV: the salted cache
+                and self._holes_allowed(req, session.blocks, session.num_computed)):
             return ComputedBlocks(tuple(session.blocks), session.num_computed, BlockSource.SESSION)
         lead_table = self._tables.get(req.leader.request_id) if req.leader else None
         if lead_table and req.leader is not None and req.leader.num_computed_tokens >= req.num_prompt_tokens:
             n = req.num_prompt_tokens - 1
-            return ComputedBlocks(tuple(lead_table[:self.blocks_needed(req.num_prompt_tokens)]), n, BlockSource.FORK)
+            blocks = lead_table[:self.blocks_needed(req.num_prompt_tokens)]
+            if self._holes_allowed(req, blocks, n):
+                return ComputedBlocks(self._unread_masked(req, blocks, n), n, BlockSource.FORK)
         if not self.enable_prefix_caching:
             return ComputedBlocks()
         hits: list[int] = []
+        canonical = self.canonical_tokens(req)
+        if canonical is not None:  # a lossy request computes its own KV past the boundary
+            limit = min(limit, canonical)
         for h in self._block_hashes(req)[:limit // self.block_size]:
             block = self.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(tuple(hits), len(hits) * self.block_size,
-                              BlockSource.PREFIX if hits else BlockSource.NONE)
+        n = len(hits) * self.block_size
+        return ComputedBlocks(self._unread_masked(req, hits, n), n, BlockSource.PREFIX if hits else BlockSource.NONE)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: ComputedBlocks = ComputedBlocks(), evict_sessions: bool = True) -> bool:
@@ -193,10 +217,16 @@ class KVCacheManager:
                 return False
             plan = self._plan(table, start, start + num_new_tokens, computed)
         self._take(req, computed)
+        if computed.source is BlockSource.SESSION:
+            # what the session held that this turn's window no longer reads goes back at once
+            table = self._release_unread(req, table, start)
+            self.note_inherited_holes(req, computed.blocks)
         for i in plan.cow:
             [fresh] = self.pool.allocate(1)
-            self._ops.append(CopyBlock(table[i], fresh))
-            self.pool.free([table[i]])
+            old = table[i]
+            assert old is not None
+            self._ops.append(CopyBlock(old, fresh))
+            self.pool.free([old])
             table[i] = fresh
         if plan.need_new > 0:
             table.extend(self.pool.allocate(plan.need_new))
@@ -224,10 +254,13 @@ class KVCacheManager:
 
     def _plan(self, table: list[int], start: int, end: int, computed: ComputedBlocks) -> _Plan:
         touched = set(computed.blocks) if computed.source in (BlockSource.PREFIX, BlockSource.FORK) else set()
+        touched.discard(None)
         plan = _Plan(need_new=self.blocks_needed(end) - len(table))
-        plan.revived = sum(1 for b in touched if self.pool.ref_count(b) == 0)
+        plan.revived = sum(1 for b in touched if b is not None and self.pool.ref_count(b) == 0)
         for i in range(start // self.block_size, min(len(table), self.blocks_needed(end))):
-            holders = self.pool.ref_count(table[i]) + (1 if table[i] in touched else 0)
+            b = table[i]
+            assert b is not None, "a step never writes into a dropped block"
+            holders = self.pool.ref_count(b) + (1 if b in touched else 0)
             if holders > 1:
                 plan.cow.append(i)
         return plan
@@ -240,9 +273,9 @@ class KVCacheManager:
             assert session is not None
             self.sessions.take_blocks(session)
         else:
-            self.pool.touch(list(computed.blocks))
+            self.pool.touch([b for b in computed.blocks if b is not None])
             if computed.source is BlockSource.PREFIX:
-                self.pins.refresh_hits(computed.blocks)
+                self.pins.refresh_hits(b for b in computed.blocks if b is not None)
         if first_admission:
             self._num_cached[req.request_id] = len(computed.blocks) if computed.source is BlockSource.PREFIX else 0
             if self.enable_prefix_caching:
@@ -268,15 +301,22 @@ class KVCacheManager:
         if not table:
             return
         full = min(req.num_computed_tokens // self.block_size, len(table))
+        canonical = self.canonical_tokens(req)
+        if canonical is not None:  # KV past it saw a policy's view, not the whole prefix
+            full = min(full, canonical // self.block_size)
         done = self._num_cached.get(req.request_id, 0)
         if full <= done:
             return
         hashes = self._block_hashes(req)
         for i in range(done, full):
-            self.pool.cache(table[i], hashes[i])
-            if self.tiers and self.pool.block_hash(table[i]) == hashes[i]:
+            b = table[i]
+            if b is None:  # dropped before it was cached (a policy that ran first): nothing to find
+                continue
+            self.pool.cache(b, hashes[i])
+            self.misses.cached(self._content_hashes(req)[i], hashes[i], req.cache_salt, req.kv_cache_dtype)
+            if self.tiers and self.pool.block_hash(b) == hashes[i]:
                 parent = hashes[i - 1] if i else request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
-                op = self.tiers.save_op(table[i], hashes[i], parent)
+                op = self.tiers.save_op(b, hashes[i], parent)
                 if op is not None:
                     self._ops.append(op)
         self._num_cached[req.request_id] = full
@@ -302,11 +342,11 @@ class KVCacheManager:
         hits = self.tiers.hits(self._block_hashes(req), len(computed.blocks), limit)
         if not hits:
             return None
-        held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
+        held_free = sum(1 for b in computed.blocks if b is not None and self.pool.ref_count(b) == 0)
         while self.pool.num_free - held_free < len(hits):  # idle KV makes room, as for a prefill
             if not self._make_room(req):
                 break
-            held_free = sum(1 for b in computed.blocks if self.pool.ref_count(b) == 0)
+            held_free = sum(1 for b in computed.blocks if b is not None and self.pool.ref_count(b) == 0)
         return self.tiers.begin(computed.blocks, hits, self._ops)
 
     def free(self, req: Request) -> None:
@@ -315,6 +355,8 @@ class KVCacheManager:
         evicted before earlier ones."""
         table = self._tables.pop(req.request_id, [])
         self._num_cached.pop(req.request_id, None)
+        self._lossy_from.pop(req.request_id, None)  # a preempted request recomputes with all its KV
+        self._scores.pop(req.request_id, None)
         session = self.sessions.get(req.session_id) if req.session_id else None
         if req.cache_pins and session is None and req.status in (RequestStatus.FINISHED_STOPPED,
                                                                  RequestStatus.FINISHED_LENGTH):
@@ -324,11 +366,12 @@ class KVCacheManager:
                 self.release_session(session)
             self.sessions.end_turn(session, table, req.num_computed_tokens, req.all_token_ids, req.cache_salt)
         else:
-            self.pool.free(list(reversed(table)))
+            self._free_held(table)
             if session is not None and req.status.finished:
                 self.sessions.abandon_turn(session)
         if req.status.finished:
             self._hashes.pop(req.request_id, None)
+            self._contents.pop(req.request_id, None)
 
     def _pin_prefixes(self, req: Request, table: list[int]) -> None:
         """Pin the full blocks of each prefix ``req`` asked for (before its table is freed); what
@@ -355,12 +398,12 @@ class KVCacheManager:
         if new; a tenant over its session cap forgets its least recently used idle session)."""
         session, forgotten = self.sessions.begin_turn(session_id, turn_start, tenant)
         for old in forgotten:
-            self.pool.free(list(reversed(self.sessions.drop_blocks(old))))
+            self._free_held(self.sessions.drop_blocks(old))
         return session
 
     def release_session(self, session: Session, evicted: bool = False, expired: bool = False) -> None:
         """Give a session's blocks back (its full blocks stay findable in the prefix cache)."""
-        self.pool.free(list(reversed(self.sessions.drop_blocks(session))))
+        self._free_held(self.sessions.drop_blocks(session))
         self.sessions.stats.evicted += evicted
         self.sessions.stats.expired += expired
 
@@ -400,7 +443,8 @@ class KVCacheManager:
         """Assert the pool's invariants and that references match tables, session blocks, pins
         and the blocks held by tier loads in flight."""
         self.pool.check()
-        held = sum(len(t) for t in self._tables.values()) + sum(len(s.blocks) for s in self.sessions.all())
+        tables = [*self._tables.values(), *(s.blocks for s in self.sessions.all())]
+        held = sum(1 for t in tables for b in t if b is not None)
         held += self.tiers.held_refs() + self.pins.held_refs()
         self.pins.check()
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))

@@ -65,7 +65,7 @@ class _Chunk(Protocol):
     def start(self) -> int: ...
 
     @property
-    def block_ids(self) -> Sequence[int]: ...
+    def block_ids(self) -> Sequence[int | None]: ...
 
     @property
     def end(self) -> int: ...
@@ -185,6 +185,7 @@ class KVStorage:
             table = c.block_ids
             for i in range(c.start // bs, (c.end - 1) // bs + 1):
                 b = table[i]
+                assert b is not None, "a step never writes into a dropped block"
                 lo = max(c.start, i * bs) - i * bs
                 hi = min(c.end, (i + 1) * bs) - i * bs
                 if lo == 0:
@@ -269,12 +270,12 @@ class KVStorage:
         """The sequence reaches ``min_tokens`` this step: its short shadows go (reads use the codec
         data written all along); an int4 tail or sink stays."""
         for b in c.block_ids[: -(-c.start // self.block_size)]:
-            if b in self.shadow_of:
+            if b is not None and b in self.shadow_of:
                 self._set_flags(b, short=False)
 
-    def _touch_table(self, table: Sequence[int], end: int) -> None:
+    def _touch_table(self, table: Sequence[int | None], end: int) -> None:
         for b in table[: -(-end // self.block_size)]:
-            s = self.window.get(b)
+            s = None if b is None else self.window.get(b)
             if s is not None:
                 s.last_step = self.step_no
 

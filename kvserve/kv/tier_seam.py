@@ -46,6 +46,7 @@ class Loading:
     @property
     def complete(self) -> bool:
         return len(self.results) == len(self.loads)
+    failed: frozenset[BlockHash] = frozenset()  # loads from the first that failed on (recomputed)
 
 
 class TierSeam:
@@ -96,8 +97,11 @@ class TierSeam:
             out.append((h, tier))
         return out
 
-    def begin(self, pool_hits: Sequence[int], tier_hits: list[tuple[BlockHash, str]], ops: list[BlockOp]) -> Loading | None:
-        """Hold the pool hits and allocate targets for as many tier hits as free blocks allow."""
+    def begin(self, pool_hits: Sequence[int | None], tier_hits: list[tuple[BlockHash, str]],
+              ops: list[BlockOp]) -> Loading | None:
+        """Hold the pool hits (a ``None`` one, outside the request's window, is not held) and
+        allocate targets for as many tier hits as free blocks allow."""
+        pool_hits = [b for b in pool_hits if b is not None]
         n = min(len(tier_hits), self.pool.num_free - sum(1 for b in pool_hits if self.pool.ref_count(b) == 0))
         if n <= 0:
             return None
@@ -141,10 +145,11 @@ class TierSeam:
     def finish(self, loading: Loading) -> None:
         """Make the loaded prefix findable, then release every held block."""
         ok = True
-        for h, block, _ in loading.loads:
+        for j, (h, block, _) in enumerate(loading.loads):
             r = loading.results.get(block)
             ok = ok and r is not None and r.tier is not None
             if not ok:
+                loading.failed = frozenset(x for x, _, _ in loading.loads[j:])
                 break
             assert r is not None and r.tier is not None
             c = self.index.counters.get(r.tier)

@@ -22,13 +22,14 @@ built once per step by the runner (:func:`plan_step`), not by the first layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kv.layer_kv import LayerKV, as_layer_kv
+from kvserve.model.attention_kept import attend_kept, kept_keys, needs_kept_path
 
 
 @dataclass
@@ -50,10 +51,38 @@ class AttentionMetadata:
     # a direct caller (tests) have it built per call.
     plan: Any = None
     backend: Any = None  # an AttentionBackend (kvserve.model.attention_backends); None = torch_sdpa
+    # Eviction (kvserve.kv.press; None: nothing for any sequence): a sequence's own window and
+    # sinks (narrowing ``sliding_window``), its dropped logical blocks, how many of its last
+    # queries score blocks; ``block_scores`` collects those scores, summed over layers.
+    seq_windows: list[int | None] | None = None
+    seq_sinks: list[int] | None = None
+    dropped: list[frozenset[int]] | None = None
+    score_queries: list[int] | None = None
+    block_scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def window_of(self, i: int) -> int | None:
+        own = self.seq_windows[i] if self.seq_windows is not None else None
+        ws = [w for w in (self.sliding_window, own) if w is not None]
+        return min(ws) if ws else None
+
+    def sinks_of(self, i: int) -> int:
+        return self.seq_sinks[i] if self.seq_sinks is not None else 0
+
+    def dropped_of(self, i: int) -> frozenset[int]:
+        return self.dropped[i] if self.dropped is not None else frozenset()
+
+    def scores_of(self, i: int) -> int:
+        return self.score_queries[i] if self.score_queries is not None else 0
+
+    def kept_path(self, i: int) -> bool:
+        """Sequence ``i`` reads sinks, skips dropped blocks in its range, or scores blocks."""
+        q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+        return needs_kept_path(self.seq_lens[i], q_len, self.block_size, self.window_of(i), self.sinks_of(i),
+                               self.dropped_of(i), self.scores_of(i))
 
     @property
     def all_decode(self) -> bool:
@@ -91,27 +120,36 @@ class StepPlan:
 
 def plan_step(meta: AttentionMetadata, kv_shape: tuple[int, ...], device: torch.device) -> StepPlan:
     """Which single-query sequences are attended in one batched call; ``kv_shape`` is a layer's
-    ``(2, num_blocks, block_size, kv_heads, head_dim)``."""
-    single = [i for i in range(meta.num_seqs) if meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1]
-    lens = [meta.seq_lens[i] for i in single]
+    ``(2, num_blocks, block_size, kv_heads, head_dim)``. Each row gathers its blocks from the
+    first one its window reads (dropped blocks inside it are masked); sequences with sinks or
+    scores take the per-sequence path."""
+    single = [i for i in range(meta.num_seqs) if meta.query_start_loc[i + 1] - meta.query_start_loc[i] == 1
+              and not (meta.sinks_of(i) or meta.scores_of(i))]
     bs = meta.block_size
-    n_blocks = -(-max(lens) // bs) if lens else 0
+    lens = [meta.seq_lens[i] for i in single]
+    windows = [meta.window_of(i) for i in single]
+    firsts = [0 if w is None else max(0, n - w) for n, w in zip(lens, windows)]
+    b0 = [f // bs for f in firsts]
+    n_blocks = max((-(-n // bs) - b for n, b in zip(lens, b0)), default=0)
     per_token = kv_shape[3] * kv_shape[4] * 2
     if len(single) < 2 or len(single) * n_blocks * bs * per_token > MAX_BATCHED_DECODE_ELEMENTS:
         return StepPlan(None, list(range(meta.num_seqs)))
     tables = torch.zeros(len(single), n_blocks, dtype=torch.int64)
+    holes = False
     for row, i in enumerate(single):
-        t = meta.block_tables[i][:n_blocks]
+        t = meta.block_tables[i][b0[row]:b0[row] + n_blocks]
         tables[row, : t.numel()] = t
-    window = meta.sliding_window
+        holes = holes or any(d >= b0[row] for d in meta.dropped_of(i))
     valid = None
     context_len = max(lens)
-    if min(lens) != max(lens) or (window is not None and window < context_len):
-        pos = torch.arange(n_blocks * bs)[None, :]
-        end = torch.tensor(lens)[:, None]
-        valid = pos < end
-        if window is not None:
-            valid &= pos >= end - window
+    if holes or any(b0) or min(lens) != max(lens) or any(f > 0 for f in firsts):
+        start = torch.tensor(b0)[:, None] * bs
+        pos = start + torch.arange(n_blocks * bs)[None, :]            # [S, L] original positions
+        valid = (pos < torch.tensor(lens)[:, None]) & (pos >= torch.tensor(firsts)[:, None])
+        for row, i in enumerate(single):
+            for d in meta.dropped_of(i):
+                if d >= b0[row]:
+                    valid[row, (d - b0[row]) * bs:(d - b0[row] + 1) * bs] = False
         context_len = n_blocks * bs
     rows = torch.tensor([meta.query_start_loc[i] for i in single], dtype=torch.int64)
     batch = DecodeBatch(rows.to(device), tables.to(device), None if valid is None else valid.to(device),
@@ -222,10 +260,18 @@ def paged_attention(
     out = torch.empty_like(q)
     if plan.batch is not None:
         out[plan.batch.rows] = _attend_decode_batch(q[plan.batch.rows], cache, plan.batch, scale)
-    window = meta.sliding_window
     for i in plan.loop:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]
+        window = meta.window_of(i)
+        if meta.kept_path(i):
+            keys = kept_keys(seq_len, q_len, meta.block_size, window, meta.sinks_of(i), meta.dropped_of(i))
+            out[start:end], scores = attend_kept(q[start:end], cache, meta.block_tables[i], seq_len, keys, scale,
+                                                 meta.scores_of(i))
+            if scores is not None:
+                acc = meta.block_scores.get(i)
+                meta.block_scores[i] = scores if acc is None else acc + scores
+            continue
         # With a window, keys before the first query's window are never read: skip them.
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
         kv = heads_major(gather_context(cache, meta.block_tables[i], seq_len, first), q.dtype)

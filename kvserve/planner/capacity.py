@@ -87,7 +87,7 @@ def pool(ledger: Ledger, kv: KVModel, s: Settings, window: tuple[int, int] = (0,
     full-precision window (blocks, bytes each) a lossy KV codec sets aside first."""
     try:
         return capacity_for_budget(ledger.kv_budget_bytes, kv.bytes_per_token, s.block_size, s.max_model_len,
-                                   *window)
+                                   *window, sliding_window=kv.uniform_window)
     except ValueError as exc:
         block = kv.bytes_per_token * s.block_size
         if window[0] and ledger.kv_budget_bytes >= block:

@@ -26,6 +26,7 @@ from kvserve.kv.layout import (
     split_kv_dtype,
     window_blocks,
 )
+from kvserve.kv.press import peak_blocks
 from kvserve.planner.inputs import Settings
 from kvserve.planner.model_spec import ModelSpec
 
@@ -61,12 +62,19 @@ class KVModel:
         )
 
     def sequence_block_bytes(self, tokens: int, block_size: int) -> int:
-        """As :meth:`sequence_bytes`, with each group's tokens rounded up to whole blocks."""
+        """As :meth:`sequence_bytes`, in whole blocks, as the engine holds them: a windowed group
+        holds the blocks its decode window spans at most (the engine frees those behind it;
+        :func:`kvserve.kv.press.peak_blocks`), one more than the window's when it straddles one."""
         total = 0
         for g in self.groups:
-            held = tokens if g.window is None else min(tokens, g.window)
-            total += g.bytes_per_token * (-(-held // block_size)) * block_size
+            total += g.bytes_per_token * peak_blocks(tokens, block_size, g.window) * block_size
         return total
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer shares one (what the engine runs), else None."""
+        windows = {g.window for g in self.groups}
+        return next(iter(windows)) if len(windows) == 1 else None
 
     @property
     def bounded(self) -> bool:

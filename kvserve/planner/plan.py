@@ -76,7 +76,7 @@ def _notes(spec: ModelSpec, s: Settings, hw: HardwareSpec | None, ledger: Ledger
     if spec.windowed_layers and s.sliding_window is None:
         notes.append(
             f"{spec.windowed_layers} of {spec.num_layers} layers use a sliding window: per-sequence "
-            "figures cap them at the window (an engine that keeps their whole history needs more)"
+            "figures cap them at the blocks the window spans (kvserve frees the blocks behind it)"
         )
     if s.sliding_window is not None:
         notes.append(

@@ -39,9 +39,22 @@ class ModelInputs:
     sample_counts: list[int]  # per chunk, in order: how many of sample_rows belong to it
 
 
-def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of positions ``start..end-1`` under ``block_ids``."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def slots_for(block_ids: Sequence[int | None], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions ``start..end-1`` under ``block_ids`` (never a dropped entry)."""
+    out = []
+    for p in range(start, end):
+        b = block_ids[p // block_size]
+        if b is None:
+            raise ValueError(f"position {p} falls in a dropped block; a step never writes there")
+        out.append(b * block_size + p % block_size)
+    return out
+
+
+def held_table(block_ids: Sequence[int | None]) -> tuple[torch.Tensor, frozenset[int]]:
+    """The block table as a tensor (a dropped entry becomes block 0, never read) and the
+    logical indices of the dropped entries."""
+    dropped = frozenset(i for i, b in enumerate(block_ids) if b is None)
+    return torch.tensor([0 if b is None else b for b in block_ids], dtype=torch.long), dropped
 
 
 def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestState], block_size: int,
@@ -57,6 +70,7 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
     logits_indices: list[int] = []
     rows: list[SampleRow] = []
     counts: list[int] = []
+    dropped: list[frozenset[int]] = []
     for c in chunks:
         state = states[c.request_id]
         ids.extend(state.token_ids[c.start:c.end])
@@ -64,7 +78,9 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
         slots.extend(slots_for(c.block_ids, c.start, c.end, block_size))
         query_start.append(query_start[-1] + c.num_new_tokens)
         seq_lens.append(c.end)
-        tables.append(torch.tensor(c.block_ids, dtype=torch.long))
+        table, holes = held_table(c.block_ids)
+        tables.append(table)
+        dropped.append(holes)
         for j in range(c.num_sample):  # the chunk's last num_sample positions
             logits_indices.append(query_start[-1] - c.num_sample + j)
             rows.append(SampleRow(state, c.end - c.num_sample + j + 1 - state.num_prompt_tokens))
@@ -77,6 +93,11 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
         block_size=block_size,
         sliding_window=sliding_window,
     )
+    if any(dropped) or any(c.window is not None or c.sinks or c.score_queries for c in chunks):
+        meta.seq_windows = [c.window for c in chunks]
+        meta.seq_sinks = [c.sinks for c in chunks]
+        meta.dropped = dropped
+        meta.score_queries = [c.score_queries for c in chunks]
     if backend is not None and kv_shape is not None:
         meta.backend = backend
         meta.plan = backend.plan(meta, kv_shape, device)

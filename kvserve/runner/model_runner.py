@@ -146,6 +146,8 @@ class ModelRunner:
     def _run(self, chunks: Sequence[ScheduledChunk]) -> RunnerOutput:
         hidden, inputs = self._forward(chunks)
         result = RunnerOutput()
+        if inputs.meta.block_scores:  # only chunks whose policy asked (ScheduledChunk.score_queries)
+            result.block_scores = {chunks[i].request_id: s.tolist() for i, s in inputs.meta.block_scores.items()}
         if not inputs.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -181,6 +183,8 @@ class ModelRunner:
                 log.warning("request %s failed: %r", c.request_id, e)
                 continue
             merged.sampled.update(one.sampled)
+            if one.block_scores:
+                merged.block_scores = {**(merged.block_scores or {}), **one.block_scores}
             merged.failed.update(one.failed)
         if len(errors) == len(chunks):
             raise batch_error
@@ -198,6 +202,14 @@ class ModelRunner:
         self._prepare(out)
         hidden, _ = self._forward(out.chunks)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def score_blocks(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """As :meth:`score`, with the block scores the chunks asked for (``score_queries``)."""
+        self._prepare(out)
+        hidden, inputs = self._forward(out.chunks)
+        scores = {out.chunks[i].request_id: s.tolist() for i, s in inputs.meta.block_scores.items()}
+        return self.model.compute_logits(hidden), scores
 
     def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local KV tier holds (the disk tier's index rebuilt at start-up)."""

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from kvserve.config import SchedulerConfig
 from kvserve.contract import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from kvserve.kv.manager import ComputedBlocks, KVCacheManager
+from kvserve.kv.press import PressSpec
 from kvserve.kv.tier_seam import Loading
 from kvserve.request import Request, RequestStatus
 from kvserve.spec.drafter import NgramDrafter
@@ -57,11 +58,13 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise ValueError if it could never fit."""
-        self.validate(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        self.validate(req.num_prompt_tokens, req.sampling_params.max_tokens, req.kv_press)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def validate(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def validate(self, num_prompt_tokens: int, max_tokens: int, press: PressSpec | None = None) -> None:
+        """Raise ValueError for a request that could never run. A windowed request (the model's
+        window, a ``sinks`` policy) needs only the blocks its window spans at its widest step."""
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty; give at least one token")
         total = num_prompt_tokens + max_tokens
@@ -71,7 +74,8 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
         capacity = self.kv.num_blocks * self.kv.block_size
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else total
+        if self.kv.peak_blocks(press, total, chunk) > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens can never fit the KV pool of {capacity} tokens "
                 f"({self.kv.num_blocks} blocks); raise kv_cache_memory or lower max_tokens"
@@ -152,6 +156,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             req.num_computed_tokens = computed.num_tokens
+            if req.kv_miss_tokens is None:  # the ledger, once: why the rest is computed
+                req.kv_miss_tokens = self.kv.miss_reasons(req, computed)
             if req.num_cached_tokens == 0 and computed.num_tokens:  # the ledger: where the hit came from
                 below = sum(req.kv_hit_tokens.values())
                 req.kv_hit_tokens["pool"] = max(0, computed.num_tokens - below)
@@ -176,8 +182,10 @@ class Scheduler:
         self._told[req.request_id] = told + len(new)
         start = req.num_computed_tokens
         k = len(drafts or ())
+        window, sinks = self.kv.window_of(req)
         return ScheduledChunk(req.request_id, start, n + k, new, list(self.kv.block_table(req.request_id)),
-                              1 + k if start + n == req.num_tokens else 0)
+                              1 + k if start + n == req.num_tokens else 0, window=window, sinks=sinks,
+                              score_queries=self.kv.score_queries(req, start, n))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self._told.pop(req.request_id, None) is not None:
@@ -223,6 +231,9 @@ class Scheduler:
             if chunk.num_sample > 1:
                 self.kv.trim(req)
             self.kv.cache_blocks(req)
+            self.kv.forget(req)  # after caching: a block outside the window stays findable
+            if result.block_scores:
+                self.kv.apply_scores(req, result.block_scores.get(chunk.request_id))
             if not tokens:
                 continue
             if req.first_token_time is None:
@@ -254,6 +265,7 @@ class Scheduler:
             del self.loading[rid]
             req.kv_hit_tokens.update(loading.hit_tokens)
             req.kv_load_seconds += loading.load_seconds
+            req.kv_failed_loads = loading.failed
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 

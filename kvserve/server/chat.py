@@ -159,7 +159,7 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
         mt = max_tokens if max_tokens is not None else default_chat_max_tokens(len(ids), state.max_model_len)
         stream = await engine.add_request(ids, _with_max_tokens(params, mt), cache_salt=salt,
                                           kv_cache_dtype=req.kv_cache_dtype, cache_control=pins,
-                                          prompt_cache_key=req.prompt_cache_key)
+                                          prompt_cache_key=req.prompt_cache_key, kv_press=req.kv_press)
         return _Added(stream)
     esid, sessions = state.session_id(tenant, sid), state.chat_sessions
     for attempt in range(3):
@@ -179,7 +179,7 @@ async def _add(state: ServerState, req: ChatCompletionRequest, messages: list[Me
             try:
                 stream = await engine.add_request(
                     plan.ids, _with_max_tokens(params, mt), session_id=esid, cache_salt=salt,
-                    kv_cache_dtype=req.kv_cache_dtype, session_overflow=overflow, tenant=tenant,
+                    kv_cache_dtype=req.kv_cache_dtype, kv_press=req.kv_press, session_overflow=overflow, tenant=tenant,
                     check_session=True,
                     restart_session=plan.restart, expect_session_tokens=have,
                     on_done=lambda out, v=version: _end_turn(state, esid, v, out))  # type: ignore[misc]

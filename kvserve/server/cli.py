@@ -112,7 +112,7 @@ def serve(
     max_sessions_per_tenant: Annotated[int | None, typer.Option(
         "--max-sessions-per-tenant", help="A new session past it forgets the tenant's least recent idle one.")] = None,
     session_overflow: Annotated[str | None, typer.Option(
-        "--session-overflow", help="When a session outgrows its cap: error or drop_oldest.")] = None,
+        "--session-overflow", help="When a session outgrows its cap: error, drop_oldest or window.")] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N].")] = None,
     runner: Annotated[str | None, typer.Option(
         "--runner", help="inline (this process) or process (the model and KV in a child process).")] = None,

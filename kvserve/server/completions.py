@@ -105,7 +105,7 @@ async def _add(state: ServerState, req: CompletionRequest, prompts: list[Prompt]
                 ids = await _tokens(state, prompts[0], known is None, params.max_tokens)
                 try:
                     return [await engine.add_request(
-                        ids, params, session_id=esid, cache_salt=salt, kv_cache_dtype=req.kv_cache_dtype,
+                        ids, params, session_id=esid, cache_salt=salt, kv_cache_dtype=req.kv_cache_dtype, kv_press=req.kv_press,
                         session_overflow=overflow, tenant=tenant, check_session=True,
                         expect_session_tokens=None if known is None else known.num_tokens)]
                 except SessionChangedError:
@@ -121,7 +121,7 @@ async def _add(state: ServerState, req: CompletionRequest, prompts: list[Prompt]
             try:
                 ids = await _tokens(state, prompt, True, params.max_tokens)
                 streams.append(await engine.add_request(ids, params, cache_salt=salt,
-                                                        kv_cache_dtype=req.kv_cache_dtype,
+                                                        kv_cache_dtype=req.kv_cache_dtype, kv_press=req.kv_press,
                                                         prompt_cache_key=req.prompt_cache_key))
             except (ValueError, APIError) as exc:
                 if len(prompts) == 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.config import SESSION_OVERFLOW
 from kvserve.pricing import Prices
 
 DEFAULT_TENANT = "default"
@@ -65,8 +66,8 @@ class ServerConfig:
                      "max_bad_words", "max_body_bytes", "tokenizer_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.session_overflow not in (None, "error", "drop_oldest"):
-            raise ValueError(f"session_overflow must be 'error' or 'drop_oldest', "
+        if self.session_overflow not in (None, *SESSION_OVERFLOW):
+            raise ValueError(f"session_overflow must be one of {', '.join(SESSION_OVERFLOW)}, "
                              f"got {self.session_overflow!r}")
         if self.sample_interval_s <= 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")

@@ -194,6 +194,10 @@ class ServerMetrics:
         self._source = Counter(P + "prompt_tokens_by_source", "Prompt tokens of finished requests by where their "
                                "KV came from: pool, host, disk, remote (reused) or computed.",
                                ["model_name", "source"], registry=self.registry)
+        self._miss = Counter(P + "prefix_cache_miss_tokens", "Prompt tokens of finished requests not found in "
+                             "the prefix cache, by reason (never_seen, evicted:<policy>, dropped_window, "
+                             "dropped_policy, different_salt, different_codec, partial_block, tier_load_failed).",
+                             ["model_name", "reason"], registry=self.registry)
         self._cost = Counter(P + "cost", "What finished requests cost at the configured prices (per kind: input, "
                              "cached_input, output, cache_write; saved_by_cache is what the cache saved).",
                              ["model_name", "kind"], registry=self.registry)
@@ -240,6 +244,8 @@ class ServerMetrics:
         self.v_generation_tokens.inc(req.generation_tokens)
         for source, n in sources_of(req).items():
             self._source.labels(model_name=self._model_name, source=source).inc(n)
+        for reason, n in req.kv_miss_tokens.items():
+            self._miss.labels(model_name=self._model_name, reason=reason).inc(n)
         if self.prices.enabled:
             cost = self.prices.cost(req.prompt_tokens, req.cached_tokens, req.generation_tokens,
                                     req.cache_write_tokens)

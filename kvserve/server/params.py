@@ -199,8 +199,12 @@ def usage_of(outputs: list[RequestOutput], prices: Prices | None = None, prompt_
     for o in outputs:
         for place, n in o.kv_hit_tokens.items():
             hits[place] = hits.get(place, 0) + n
+    misses: dict[str, int] = {}
+    for o in outputs:
+        for reason, n in o.kv_miss_tokens.items():
+            misses[reason] = misses.get(reason, 0) + n
     kv = KVUsage(hit_tokens=hits, recomputed_tokens=prompt - cached,
-                 load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3))
+                 load_ms=round(sum(o.kv_load_seconds for o in outputs) * 1e3, 3), miss_tokens=misses)
     written = sum(o.cache_write_tokens for o in outputs)
     cost = prices.cost(prompt, cached, completion, written) if prices is not None and prices.enabled else None
     split = {"cache_creation_input_tokens": written, "cache_read_input_tokens": cached} if prompt_caching else {}

@@ -12,7 +12,7 @@ though declared so the message can say why: ``functions``, ``function_call``,
 kvserve extensions (vLLM's names where vLLM has one): ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``allowed_token_ids``, ``bad_words``, ``stop_token_ids``,
 ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``session_id``,
-``session_overflow``, ``cache_salt``, ``kv_cache_dtype``, ``return_token_ids``.
+``session_overflow``, ``cache_salt``, ``kv_cache_dtype``, ``kv_press``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     session_id: str | None = None
-    session_overflow: Literal["error", "drop_oldest"] | None = None
+    session_overflow: Literal["error", "drop_oldest", "window"] | None = None
     cache_salt: str | None = None
     kv_cache_dtype: str | None = None
+    kv_press: str | None = None  # a KV eviction policy: "sinks:S,W", "snapkv:RATIO", "h2o:RATIO" (docs/eviction.md)
     return_token_ids: bool = False
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
 
@@ -153,11 +154,13 @@ class PromptTokensDetails(_Response):
 
 class KVUsage(_Response):
     """Where the prompt's KV came from: tokens found per place, tokens recomputed, time loading
-    from the tiers (docs/tiers.md)."""
+    from the tiers (docs/tiers.md), and why the recomputed tokens were not found
+    (``miss_tokens``: reason -> tokens; docs/eviction.md)."""
 
     hit_tokens: dict[str, int]
     recomputed_tokens: int
     load_ms: float
+    miss_tokens: dict[str, int] = {}
 
 
 class Usage(_Response):

@@ -8,7 +8,8 @@ and the index of a session's last turn is kept and extended by its next turn ins
 Rules (invariants the scheduler relies on):
 
 - drafts go only to a request that is decoding (exactly one token to compute), has no grammar
-  (``response_format``: its matcher advances token by token) and uses the engine's own KV codec;
+  (``response_format``: its matcher advances token by token), uses the engine's own KV codec
+  and no KV eviction policy (``kv_press``: what a verify row may see would depend on drops);
 - a request is never drafted past ``max_tokens``: ``len(drafts) <= max_tokens - generated - 1``,
   so every slot a verify writes is inside the ``prompt + max_tokens`` its admission reserved;
 - nobody is drafted while more than ``max_num_seqs`` requests run (auto-off for big batches);
@@ -74,7 +75,7 @@ class NgramDrafter:
         params = req.sampling_params
         limit = min(budget, params.max_tokens - len(req.output_token_ids) - 1)
         if (limit <= 0 or req.num_tokens - req.num_computed_tokens != 1 or params.response_format is not None
-                or req.kv_cache_dtype is not None):
+                or req.kv_cache_dtype is not None or req.kv_press is not None):
             return []
         track = self._track(req)
         if track.pause:

@@ -191,7 +191,10 @@ def test_window_override_changes_concurrency_not_pool(cli, tiny_ckpt: Path) -> N
         "4K",
     )
     assert windowed["num_blocks"] == base["num_blocks"]
-    assert windowed["fit"]["full_length_sequences"] == 8 * base["fit"]["full_length_sequences"]
+    # 16 GiB = 8192 blocks of 16 × 128 KiB; 32K tokens hold 2048 blocks, a 4K window spans at
+    # most ceil(4095 / 16) + 1 = 257 (the one it straddles): 4 sequences vs 31
+    assert base["fit"]["full_length_sequences"] == 8192 // 2048
+    assert windowed["fit"]["full_length_sequences"] == 8192 // 257
 
 
 def test_scenario_is_written_into_settings(cli) -> None:  # type: ignore[no-untyped-def]

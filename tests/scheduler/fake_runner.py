@@ -23,8 +23,20 @@ def next_token(context: list[int]) -> int:
     return 10 + h % 50
 
 
-def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def slots_for(block_ids: list[int | None], positions: range | list[int], block_size: int) -> list[int]:
+    """Slots of ``positions``; a position in a dropped block (``None``) must never be asked for."""
+    out = []
+    for p in positions:
+        b = block_ids[p // block_size]
+        assert b is not None, f"position {p} read or written through a dropped block"
+        out.append(b * block_size + p % block_size)
+    return out
+
+
+def visible(end: int, window: int | None, sinks: int) -> list[int]:
+    """Positions the query at ``end - 1`` reads: all, or the window and the sinks."""
+    q = end - 1
+    return [k for k in range(end) if window is None or k > q - window or k < sinks]
 
 
 class FakeRunner:
@@ -55,13 +67,17 @@ class FakeRunner:
             known = self.tokens[c.request_id]
             known.extend(c.new_token_ids)
             assert len(known) >= c.end, f"{c.request_id}: told {len(known)} tokens, asked to compute to {c.end}"
-            for slot, tok in zip(slots_for(c.block_ids, c.start, c.end, bs), known[c.start:c.end]):
+            for slot, tok in zip(slots_for(c.block_ids, range(c.start, c.end), bs), known[c.start:c.end]):
                 self.store[slot] = tok
         out = RunnerOutput(step_id=plan.step_id)
         for c in plan.chunks:
             if c.sample:
-                context = [self.store[s] for s in slots_for(c.block_ids, 0, c.end, bs)]
-                out.sampled[c.request_id] = SampledTokens(self._verify(c, context))
+                if c.num_sample > 1:  # a verify chunk (never windowed here): every position's context
+                    context = [self.store[s] for s in slots_for(c.block_ids, range(c.end), bs)]
+                    out.sampled[c.request_id] = SampledTokens(self._verify(c, context))
+                else:
+                    context = [self.store[s] for s in slots_for(c.block_ids, visible(c.end, c.window, c.sinks), bs)]
+                    out.sampled[c.request_id] = SampledTokens([self.rule(context)])
         return out
 
     def _verify(self, c: ScheduledChunk, context: list[int]) -> list[int]:
@@ -78,3 +94,17 @@ class FakeRunner:
         del self.tokens[c.request_id][first + len(tokens):]
         self.verified.append((c.num_sample - 1, len(tokens) - 1))
         return tokens
+
+
+def run_checked(sched, runner: FakeRunner, after_step=lambda plan: None, max_steps: int = 10_000) -> None:  # type: ignore[no-untyped-def]
+    """Step until nothing is left, checking the KV books before and after each update; fails
+    after ``max_steps`` (a livelock) instead of spinning."""
+    for _ in range(max_steps):
+        if not sched.has_unfinished:
+            return
+        plan = sched.schedule()
+        sched.kv.check()
+        sched.update(plan, runner.execute(plan))
+        sched.kv.check()
+        after_step(plan)
+    raise AssertionError("scheduler did not finish: livelock")

@@ -15,7 +15,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 
-from .fake_runner import FakeRunner, next_token
+from .fake_runner import FakeRunner, next_token, run_checked
 
 
 def reference(prompt: list[int], max_tokens: int) -> list[int]:
@@ -36,18 +36,12 @@ def run(prompts: list[list[int]], max_tokens: list[int], num_blocks: int, block_
             enumerate(zip(prompts, max_tokens))]
     for r in reqs:
         sched.add_request(r)
-    for _ in range(10_000):
-        if not sched.has_unfinished:
-            break
-        plan = sched.schedule()
-        kv.check()
+    def after(plan):  # type: ignore[no-untyped-def]
         assert plan.num_batched_tokens <= budget
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks) <= max_seqs
-        sched.update(plan, runner.execute(plan))
-        kv.check()
         assert_exact_tables(kv, reqs)
-    else:
-        pytest.fail("scheduler did not finish: livelock")
+
+    run_checked(sched, runner, after)
     assert kv.usage().used == 0, "blocks leaked"
     return reqs, sched, runner
 

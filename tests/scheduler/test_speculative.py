@@ -34,7 +34,7 @@ def assert_hashed_blocks_hold_accepted_tokens(kv: KVCacheManager, runner: FakeRu
         for i, b in enumerate(kv.block_table(r.request_id)):
             if kv.pool.block_hash(b) is not None:
                 assert i < r.num_computed_tokens // bs
-                stored = [runner.store[s] for s in slots_for([b], 0, bs, bs)]
+                stored = [runner.store[s] for s in slots_for([b], range(bs), bs)]
                 assert stored == r.all_token_ids[i * bs:(i + 1) * bs], (r.request_id, i)
 
 

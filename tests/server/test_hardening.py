@@ -222,6 +222,16 @@ def test_kv_cache_dtype_per_request(live: LiveServer) -> None:
     assert httpx.get(live.url + "/health").status_code == 200
 
 
+def test_kv_press_per_request(live: LiveServer) -> None:
+    """A KV eviction policy per request (docs/eviction.md); the ledger says why tokens were computed."""
+    ok = httpx.post(live.v1 + "/chat/completions", json={**CHAT, "kv_press": "sinks:4,64"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    kv = ok.json()["usage"]["kv"]
+    assert sum(kv["miss_tokens"].values()) == kv["recomputed_tokens"]
+    bad = httpx.post(live.v1 + "/chat/completions", json={**CHAT, "kv_press": "tova:0.5"}, timeout=60)
+    assert bad.status_code == 400 and "tova" in bad.json()["error"]["message"]
+
+
 def test_a_failed_streaming_request_gets_an_error_event(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     eng = live.engine.engine
     real_step = eng.step
