@@ -20,12 +20,16 @@ def merge_snapshots(snaps: Sequence[EngineSnapshot]) -> EngineSnapshot:
     for f in dataclasses.fields(EngineSnapshot):
         values = [getattr(s, f.name) for s in snaps]
         if f.name == "tiers":
-            tiers: dict[str, dict[str, float]] = {}
+            tiers: dict[str, dict[str, object]] = {}
             for v in values:
                 for tier, stats in v.items():
                     acc = tiers.setdefault(tier, {})
                     for k, x in stats.items():
-                        acc[k] = min(acc.get(k, x), x) if k == "up" else acc.get(k, 0.0) + x
+                        if isinstance(x, list):  # a histogram's buckets: added bucket by bucket
+                            have = acc.get(k)
+                            acc[k] = [a + b for a, b in zip(have, x)] if isinstance(have, list) else list(x)
+                        else:
+                            acc[k] = min(acc.get(k, x), x) if k == "up" else acc.get(k, 0.0) + x  # type: ignore[operator]
             out[f.name] = tiers
         elif f.name == "seq_len_avg":
             running = sum(s.num_running for s in snaps)
