@@ -257,7 +257,7 @@ class ReplicaSet(ReplicaSessions):
                           expect_session_tokens: int | None = None, check_session: bool = False,
                           on_done: Callable[[RequestOutput | None], None] | None = None,
                           cache_control: Sequence[tuple[int, float]] = (), prompt_cache_key: str | None = None,
-                          routing_key: str | None = None, replica: str | None = None) -> RequestStream:
+                          kv_press: Any = None, routing_key: str | None = None, replica: str | None = None) -> RequestStream:
         """:meth:`AsyncLLMEngine.add_request` on the replica the router picks (``routing_key``:
         what the session-hash policy hashes when there is no session, e.g. a conversation id;
         default: the prompt-caching API's ``prompt_cache_key``; ``replica``: skip the router and
@@ -277,7 +277,8 @@ class ReplicaSet(ReplicaSessions):
             kwargs = {"session_id": session_id, "cache_salt": cache_salt, "kv_cache_dtype": kv_cache_dtype,
                       "session_overflow": session_overflow, "tenant": tenant, "restart_session": restart_session,
                       "expect_session_tokens": expect_session_tokens, "check_session": check_session,
-                      "cache_control": tuple(cache_control), "prompt_cache_key": prompt_cache_key}
+                      "cache_control": tuple(cache_control), "prompt_cache_key": prompt_cache_key,
+                      "kv_press": kv_press}
             arrival = time.monotonic()
             gen = r.handle.generate.remote(rid, prompt, params, kwargs)
             try:
