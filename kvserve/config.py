@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.spec.config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401 (re-exported)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -314,41 +316,6 @@ class CacheConfig:
         """The KV tiers configured below the pool, fastest first."""
         return tuple(t for t, on in (("host", self.kv_host_memory is not None), ("disk", self.kv_disk_dir is not None),
                                      ("remote", self.kv_remote is not None)) if on)
-
-
-SPECULATIVE_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (kvserve/spec, docs/speed.md). ``method=None``: off.
-
-    ``"ngram"`` drafts up to ``num_speculative_tokens`` tokens by finding the request's last
-    ``ngram_max`` .. ``ngram_min`` tokens earlier in its own tokens (prompt, session history and
-    output) and copying what followed; one forward verifies them. Drafts are made only while at
-    most ``max_num_seqs`` requests run (above it, verification costs more than it saves)."""
-
-    method: str | None = None
-    num_speculative_tokens: int = 8
-    ngram_min: int = 2
-    ngram_max: int = 4
-    max_num_seqs: int = 4
-
-    def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} or None, "
-                             f"got {self.method!r}")
-        if self.num_speculative_tokens <= 0:
-            raise ValueError(f"num_speculative_tokens must be > 0, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= ngram_min <= ngram_max, "
-                             f"got {self.ngram_min}..{self.ngram_max}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"speculative max_num_seqs must be > 0, got {self.max_num_seqs}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
 
 
 @dataclass(frozen=True)

@@ -227,8 +227,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         n = params.n
         extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "session_overflow": session_overflow,
-                                 "kv_press": kv_press,
-                                 "tenant": tenant if session_id is not None else None,
+                                 "kv_press": kv_press, "tenant": tenant if session_id is not None else None,
                                  "cache_control": tuple(cache_control), "prompt_cache_key": prompt_cache_key}
 
         def add(engine: LLMEngine) -> None:

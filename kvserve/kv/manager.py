@@ -38,59 +38,19 @@ held table and session entries + pinned blocks + blocks held by loads``.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
 from kvserve.kv.forgetting import Forgetting
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
+from kvserve.kv.manager_records import NO_BLOCKS, BlockSource, ComputedBlocks, PrefixCacheStats, _Plan
 from kvserve.kv.miss_ledger import MissLedger, MissReasons
 from kvserve.kv.prefix_pins import PrefixPins
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.kv.tier_seam import Loading, TierSeam
 from kvserve.request import Request, RequestStatus
-
-
-class BlockSource(enum.Enum):
-    """Where a request's already-computed KV came from."""
-
-    NONE = "none"
-    PREFIX = "prefix"    # the prefix cache (full blocks found by chained hash)
-    SESSION = "session"  # its session's blocks, moved over as they are
-    FORK = "fork"        # its leader's prompt blocks (n > 1 siblings)
-
-
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """KV already computed for a request's first ``num_tokens`` tokens, held in ``blocks``."""
-
-    blocks: tuple[int | None, ...] = ()  # None: dropped (outside the request's window), not taken
-    num_tokens: int = 0
-    source: BlockSource = BlockSource.NONE
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up (once per admission)
-    hits: int = 0     # of those, tokens whose KV was reused
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-@dataclass
-class _Plan:
-    need_new: int
-    cow: list[int] = field(default_factory=list)  # indices into the new table to copy first
-    revived: int = 0
-
-    @property
-    def blocks_wanted(self) -> int:
-        return self.need_new + len(self.cow) + self.revived
 
 
 def default_root_key(block_size: int) -> BlockHash:
@@ -204,7 +164,7 @@ class KVCacheManager(Forgetting, MissReasons):
         return ComputedBlocks(self._unread_masked(req, hits, n), n, BlockSource.PREFIX if hits else BlockSource.NONE)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: ComputedBlocks = ComputedBlocks(), evict_sessions: bool = True) -> bool:
+                       computed: ComputedBlocks = NO_BLOCKS, evict_sessions: bool = True) -> bool:
         """Grow ``req``'s block table to hold ``num_computed_tokens + computed + num_new_tokens``
         tokens, copying shared blocks that this step writes. Releases idle sessions (LRU) if the
         pool is short (unless ``evict_sessions`` is False: speculative slots never evict a session).
@@ -373,24 +333,11 @@ class KVCacheManager(Forgetting, MissReasons):
             self._hashes.pop(req.request_id, None)
             self._contents.pop(req.request_id, None)
 
-    def _pin_prefixes(self, req: Request, table: list[int]) -> None:
-        """Pin the full blocks of each prefix ``req`` asked for (before its table is freed); what
-        was pinned anew beyond the tokens it read from the cache is its cache-write count."""
-        if not self.enable_prefix_caching:
-            return
-        hashes = self._block_hashes(req)
-        written = 0
-        for name, num_tokens, ttl_s in req.cache_pins:
-            k = min(num_tokens, req.num_computed_tokens, len(table) * self.block_size) // self.block_size
-            found = [self.pool.lookup(h) for h in hashes[:k]]  # the findable copy of each block
-            if k == 0 or None in found:
-                continue  # part of the prefix is not findable: nothing to pin
-            blocks = [b for b in found if b is not None]
+    def _pin_prefixes(self, req: Request, table: list[int | None]) -> None:
+        """Pin what ``req`` asked for (before its table is freed): :meth:`PrefixPins.pin_request`."""
+        if self.enable_prefix_caching:
             root = request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
-            key = ("key", root.hex(), name) if name is not None else ("prefix", hashes[k - 1].hex())
-            if self.pins.pin(key, blocks, ttl_s):
-                written = max(written, k * self.block_size)
-        req.cache_write_tokens = max(0, written - req.num_cached_tokens)
+            self.pins.pin_request(req, self._block_hashes(req), root, self.block_size, len(table))
 
     # -- sessions ----------------------------------------------------------------------------
     def begin_turn(self, session_id: str, turn_start: int = 0, tenant: str | None = None) -> Session:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.hashing import BlockHash
+from kvserve.request import Request
 
 TTLS = {"5m": 300.0, "1h": 3600.0}  # the hosted APIs' two lifetimes
 KEY_TTL_S = TTLS["5m"]  # what prompt_cache_key keeps its latest prompt for
@@ -53,7 +55,7 @@ def cache_pins(cache_control: Sequence[tuple[int, float]], prompt_cache_key: str
 
 @dataclass
 class Pin:
-    key: tuple[str, ...]
+    key: tuple[str | None, ...]
     blocks: list[int]
     ttl_s: float
     expires_at: float
@@ -76,8 +78,8 @@ class PrefixPins:
         self.pool = pool
         self.clock = clock
         self.max_blocks = max_blocks
-        self._pins: OrderedDict[tuple[str, ...], Pin] = OrderedDict()  # least recently used first
-        self._by_last: dict[int, list[tuple[str, ...]]] = {}
+        self._pins: OrderedDict[tuple[str | None, ...], Pin] = OrderedDict()  # least recently used first
+        self._by_last: dict[int, list[tuple[str | None, ...]]] = {}
         self.stats = PinStats()
 
     def __len__(self) -> int:
@@ -86,12 +88,12 @@ class PrefixPins:
     def held_refs(self) -> int:
         return sum(len(p.blocks) for p in self._pins.values())
 
-    def has(self, key: tuple[str, ...], blocks: list[int]) -> bool:
+    def has(self, key: tuple[str | None, ...], blocks: list[int]) -> bool:
         """Whether ``key`` is pinned on exactly ``blocks`` now."""
         pin = self._pins.get(key)
         return pin is not None and pin.blocks == blocks
 
-    def pin(self, key: tuple[str, ...], blocks: list[int], ttl_s: float) -> bool:
+    def pin(self, key: tuple[str | None, ...], blocks: list[int], ttl_s: float) -> bool:
         """Pin ``blocks`` (cached, findable) under ``key`` for ``ttl_s``; a pin already there on the
         same blocks is refreshed (its TTL the longer of both). Returns True if a new pin was made
         (the prefix was *written* to the cache), False on a refresh or when it cannot be held."""
@@ -116,6 +118,24 @@ class PrefixPins:
         self._by_last.setdefault(pin.last, []).append(key)
         self.stats.created += 1
         return True
+
+    def pin_request(self, req: Request, hashes: Sequence[BlockHash], root: BlockHash, block_size: int,
+                    table_blocks: int) -> None:
+        """Pin the full blocks of each prefix a finished ``req`` asked for (``req.cache_pins``),
+        the findable copy of each; sets ``req.cache_write_tokens``: what was pinned anew beyond the
+        tokens it read from the cache. A key names ``(request root, prompt_cache_key)``, so pins
+        stay within a tenant's salt and codec; a breakpoint's key is its last block's hash."""
+        written = 0
+        for name, num_tokens, ttl_s in req.cache_pins:
+            k = min(num_tokens, req.num_computed_tokens, table_blocks * block_size) // block_size
+            found = [self.pool.lookup(h) for h in hashes[:k]]
+            if k == 0 or None in found:
+                continue  # part of the prefix is not findable: nothing to pin
+            blocks = [b for b in found if b is not None]
+            key = ("key", root.hex(), name) if name is not None else ("prefix", hashes[k - 1].hex())
+            if self.pin(key, blocks, ttl_s):
+                written = max(written, k * block_size)
+        req.cache_write_tokens = max(0, written - req.num_cached_tokens)
 
     def refresh_hits(self, blocks: Iterable[int]) -> None:
         """A request's prefix hit covered ``blocks``: the pins ending inside it live another TTL."""

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
+from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.ngram import NgramIndex
 
 _MAX_PAUSE = 16
