@@ -130,6 +130,12 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    def keep_output(self, n: int) -> None:
+        """Keep only the first ``n`` output tokens (a stop string completed inside a run of
+        accepted drafts); KV counts as computed at most up to the last kept token's predecessor."""
+        del self.output_token_ids[n:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+
 
 @dataclass
 class CompletionOutput:

@@ -34,6 +34,11 @@ class IncrementalDetokenizer:
                 break
         return self.text[before:]
 
+    @property
+    def num_consumed(self) -> int:
+        """Token ids fed so far (a stop string ends the feeding at the token that completed it)."""
+        return len(self._ids)
+
     def _next_piece(self) -> str:
         skip = self.params.skip_special_tokens
         prefix = self.tokenizer.decode(self._ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)

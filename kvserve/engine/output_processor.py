@@ -50,9 +50,13 @@ class OutputProcessor:
             group = self.groups[req.group_id or req.request_id]
             i = req.sample_index
             detok = group.detoks[i]
-            new = req.output_token_ids[group.seen[i]:]  # several tokens when drafts were accepted
-            group.seen[i] += len(new)
+            start = group.seen[i]
+            new = req.output_token_ids[start:]  # several tokens when drafts were accepted
             detok.add(new)
+            if detok.stopped_by is not None and detok.num_consumed < len(req.output_token_ids):
+                req.keep_output(detok.num_consumed)  # the stop string ended inside accepted drafts
+                new = new[:detok.num_consumed - start]
+            group.seen[i] = start + len(new)
             sampled = result.sampled.get(req.request_id)
             if sampled is not None and sampled.logprobs is not None:
                 for token, lp in zip(new, sampled.logprobs):

@@ -88,3 +88,24 @@ def test_eos_inside_accepted_drafts_ends_where_plain_decoding_ends(plain, spec):
 def test_lossy_kv_codec_turns_drafting_off(tiny_llama):
     llm = make(tiny_llama, speculative="ngram", kv_cache_dtype="int8")
     assert llm.engine.scheduler.drafter is None
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_where_plain_decoding_ends(plain, spec):
+    """The text is cut at the stop string, and so are the tokens: none of the accepted drafts
+    after the token that completed it are returned. The stop
+    strings span a repeated run (what drafts are accepted in), first completed at token k."""
+    tok = plain.engine.tokenizer
+    prompt = REPEAT[1]
+    full = plain.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    checked = 0
+    for k in range(4, len(full) - 2):
+        stop = tok.decode(full[k - 4:k])
+        if stop in tok.decode(full[:k - 1]) or not stop.strip():
+            continue  # it would end both runs earlier: not this case
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+        a = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+        b = spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), stop
+        checked += 1
+        whole(spec)
+    assert checked >= 3
