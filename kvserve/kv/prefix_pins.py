@@ -88,11 +88,6 @@ class PrefixPins:
     def held_refs(self) -> int:
         return sum(len(p.blocks) for p in self._pins.values())
 
-    def has(self, key: tuple[str | None, ...], blocks: list[int]) -> bool:
-        """Whether ``key`` is pinned on exactly ``blocks`` now."""
-        pin = self._pins.get(key)
-        return pin is not None and pin.blocks == blocks
-
     def pin(self, key: tuple[str | None, ...], blocks: list[int], ttl_s: float) -> bool:
         """Pin ``blocks`` (cached, findable) under ``key`` for ``ttl_s``; a pin already there on the
         same blocks is refreshed (its TTL the longer of both). Returns True if a new pin was made

@@ -41,7 +41,6 @@ class Loading:
     hit_tokens: dict[str, int] = field(default_factory=dict)  # filled by finish
     load_seconds: float = 0.0
     results: dict[int, LoadResult] = field(default_factory=dict)
-    cancelled: bool = False  # its request ended; released when the last result is in
 
     @property
     def complete(self) -> bool:
@@ -123,7 +122,7 @@ class TierSeam:
 
     def receive(self, results: Iterable[LoadResult]) -> list[Loading]:
         """Record load results; the loadings now complete are finished (their prefix made
-        findable, their blocks released) and returned, cancelled ones included."""
+        findable, their blocks released) and returned, those of requests that ended included."""
         done: list[Loading] = []
         for r in results:
             loading = self._in_flight.pop(r.block_id, None)
@@ -134,13 +133,6 @@ class TierSeam:
                 self.finish(loading)
                 done.append(loading)
         return done
-
-    def cancel(self, loading: Loading) -> None:
-        """The request is gone: release now if nothing is in flight, else when the last result
-        arrives (what loads correctly still joins the prefix cache)."""
-        loading.cancelled = True
-        if loading.complete:
-            self.release(loading)
 
     def finish(self, loading: Loading) -> None:
         """Make the loaded prefix findable, then release every held block."""

@@ -287,9 +287,8 @@ class Scheduler:
         self._finish(req, self.clock())
 
     def _finish(self, req: Request, now: float) -> None:
-        held = self.loading.pop(req.request_id, None)
-        if held is not None:
-            self.kv.tiers.cancel(held[1])
+        # a loading request's held blocks stay with the tier seam until its reads report
+        self.loading.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         else:
