@@ -64,7 +64,8 @@ class TierLoader:
         """Write every finished load into its block and report it in ``result``. With ``wait_s``
         > 0 (a step with nothing else to do), loads from a local tier that the thread has not
         started run here, on the runner's thread, until ``wait_s`` is spent (measured: 29 host-tier
-        blocks of the 0.5B model took 0.175 s handed to the thread after a forward, 0.02 s here);
+        blocks of the 0.5B model took 0.175 s handed to the thread after a forward, 0.02 s here:
+        docs/benchmarks.md, KV tiers);
         a remote read (a network round trip, maybe a timeout) stays on the thread; then what is
         still running is waited for, up to ``wait_s``."""
         if not self._pending:
