@@ -1,0 +1,96 @@
+"""Native (C++) kernels, compiled on first use and cached; every caller has a pure-torch fallback.
+
+``load_extension(name, sources)`` builds ``sources`` (files under ``kvserve/native/csrc``) with
+``torch.utils.cpp_extension.load`` into a directory keyed by the CPU model and flags, the torch
+version and the sources' hash, under the user cache dir (``$KVSERVE_CACHE_DIR`` or
+``$XDG_CACHE_HOME/kvserve``, default ``~/.cache/kvserve``). It returns the module, or ``None``
+(with the reason in :func:`unavailable_reason`) when native kernels are switched off
+(``KVSERVE_NATIVE=0``), no C++ compiler or ninja exists, or the build fails.
+
+Invariant: a build failure is never raised to the caller and is tried once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("kvserve.native")
+CSRC = Path(__file__).parent / "csrc"
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+_why: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve")
+    return Path(root)
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_NATIVE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _build_key(name: str, paths: list[Path], flags: list[str]) -> str:
+    import torch
+
+    from kvserve.bench.machine import cpu_info
+
+    h = hashlib.sha256()
+    cpu = cpu_info()
+    h.update(f"{cpu['model']}|{','.join(cpu['flags'])}|{torch.__version__}|{' '.join(flags)}".encode())
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return f"{name}-{h.hexdigest()[:16]}"
+
+
+def load_extension(name: str, sources: list[str], extra_cflags: list[str] | None = None) -> ModuleType | None:
+    """The compiled module ``name`` built from ``sources`` (names under ``csrc/``), or ``None``."""
+    with _lock:
+        if name in _built:
+            return _built[name]
+        _built[name] = mod = _try_build(name, sources, extra_cflags or [])
+        return mod
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why ``name`` is not available (``None`` when it loaded or was never asked for)."""
+    return _why.get(name)
+
+
+def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | None:
+    if not enabled():
+        _why[name] = "KVSERVE_NATIVE=0"
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        _why[name] = "no C++ compiler on PATH"
+        return None
+    try:
+        import ninja  # noqa: F401
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        _why[name] = f"cannot build C++ extensions: {e}"
+        return None
+    paths = [CSRC / s for s in sources]
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *extra]
+    key = _build_key(name, paths, flags)
+    build = cache_dir() / "native" / key
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in paths],
+                                 extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                 build_directory=str(build), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
+        _why[name] = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("native kernel %s unavailable (%s); using the torch fallback", name, _why[name])
+        return None
+    log.info("native kernel %s loaded from %s", name, build)
+    return mod
