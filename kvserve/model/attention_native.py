@@ -162,8 +162,11 @@ class NativePagedBackend:
 
     name = "native"
 
-    def __init__(self, module: ModuleType | None = None) -> None:
+    def __init__(self, module: ModuleType | None = None, *, decode: bool = True, prefill: bool = True) -> None:
+        """``decode``/``prefill``: whether steps of that kind (every sequence decodes / any does
+        not) use the kernel; the others are planned and run as the torch backend does."""
         self._module = module
+        self.decode, self.prefill = decode, prefill
 
     @property
     def module(self) -> ModuleType | None:
@@ -172,10 +175,14 @@ class NativePagedBackend:
         return self._module
 
     def plan(self, meta: AttentionMetadata, kv_shape: tuple[int, ...], device: torch.device) -> Any:
+        if not (self.decode if meta.all_decode else self.prefill):
+            return attention.plan_step(meta, kv_shape, device)
         return plan_native(meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if isinstance(meta.plan, StepPlan):  # a step this backend leaves to the torch path
+            return attention.paged_attention(q, k, v, kv_cache, meta, scale)
         cache = as_layer_kv(kv_cache)
         cache.write(k, v, meta.slot_mapping)
         plan: NativePlan = meta.plan if isinstance(meta.plan, NativePlan) else plan_native(meta)

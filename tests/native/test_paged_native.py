@@ -32,7 +32,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window:
     g = heads // keys.shape[1]
     k = keys.float().repeat_interleave(g, 1).transpose(0, 1)
     v = values.float().repeat_interleave(g, 1).transpose(0, 1)
-    s = q.float().transpose(0, 1) @ k.transpose(1, 2) * D ** -0.5
+    s = q.float().transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5
     qp, kp = torch.arange(len(keys) - n, len(keys))[:, None], torch.arange(len(keys))[None, :]
     ok = kp <= qp
     if window is not None:
@@ -54,14 +54,14 @@ def tables_for(specs: list[tuple[int, int]], share: bool, g: torch.Generator) ->
     return out
 
 
-def run_plain(specs, heads, kvh, window, dtype, share=False, seed=0):
+def run_plain(specs, heads, kvh, window, dtype, share=False, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
-    cache = torch.full((2, NB, BS, kvh, D), float("nan"), dtype=dtype)
+    cache = torch.full((2, NB, BS, kvh, d), float("nan"), dtype=dtype)
     tables = tables_for(specs, share, g)
     hist, qs, ks, vs, slots, qsl = [], [], [], [], [], [0]
     for i, (done, new) in enumerate(specs):
         total = done + new
-        keys, values = torch.randn(total, kvh, D, generator=g), torch.randn(total, kvh, D, generator=g)
+        keys, values = torch.randn(total, kvh, d, generator=g), torch.randn(total, kvh, d, generator=g)
         if share and i and done >= BS:  # the shared block holds sequence 0's first tokens
             keys[:BS], values[:BS] = hist[0][0][:BS].float(), hist[0][1][:BS].float()
         keys, values = keys.to(dtype), values.to(dtype)
@@ -69,7 +69,7 @@ def run_plain(specs, heads, kvh, window, dtype, share=False, seed=0):
             cache[0, tables[i][p // BS], p % BS] = keys[p]
             cache[1, tables[i][p // BS], p % BS] = values[p]
         hist.append((keys, values))
-        qs.append(torch.randn(new, heads, D, generator=g).to(dtype))
+        qs.append(torch.randn(new, heads, d, generator=g).to(dtype))
         ks.append(keys[done:])
         vs.append(values[done:])
         slots += [int(tables[i][p // BS]) * BS + p % BS for p in range(done, total)]
@@ -77,10 +77,10 @@ def run_plain(specs, heads, kvh, window, dtype, share=False, seed=0):
     meta = AttentionMetadata(torch.tensor(slots), qsl, [d + n for d, n in specs], tables, BS, window)
     q = torch.cat(qs)
     assert kv_source(as_layer_kv(cache)) is not None
-    out = NativePagedBackend().forward(q, torch.cat(ks), torch.cat(vs), cache, meta, D ** -0.5)
     torch_out = attention.paged_attention(q, torch.cat(ks), torch.cat(vs), cache.clone(),
                                           AttentionMetadata(torch.tensor(slots), qsl, meta.seq_lens, tables, BS,
-                                                            window), D ** -0.5)
+                                                            window), d ** -0.5)
+    out = NativePagedBackend().forward(q, torch.cat(ks), torch.cat(vs), cache, meta, d ** -0.5)
     return out, torch_out, [reference(qs[i], *hist[i], window) for i in range(len(specs))], qsl
 
 
@@ -105,6 +105,16 @@ def test_plain_pool_matches_reference_and_torch_path(case, window, heads, kvh, d
     torch.testing.assert_close(out.float(), torch_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_dims_with_a_compiled_width(d, dtype):
+    """head_dim 64 and 128 run the kernel instantiated for that width (the others a generic one)."""
+    out, torch_out, refs, qsl = run_plain(CASES["prefill-chunks"], 14, 2, 5, dtype, share=True, d=d)
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_shared_blocks_are_read_by_every_sequence():
     specs = [(9, 1), (9, 1), (13, 4)]
     out, _, refs, qsl = run_plain(specs, 4, 2, None, torch.float32, share=True, seed=3)
@@ -115,8 +125,8 @@ def test_shared_blocks_are_read_by_every_sequence():
 # -- codecs through KVStorage ---------------------------------------------------------------------
 
 def storage(pool: str, dtype: torch.dtype, kvh: int, window_blocks: int = 0, min_tokens: int = 0,
-            sinks: int = 0) -> KVStorage:
-    return KVStorage(num_layers=1, num_blocks=NB, block_size=BS, kv_heads=kvh, head_dim=D, dtype=dtype,
+            sinks: int = 0, d: int = D) -> KVStorage:
+    return KVStorage(num_layers=1, num_blocks=NB, block_size=BS, kv_heads=kvh, head_dim=d, dtype=dtype,
                      pool=parse_kv_codecs(pool, "float32" if dtype == torch.float32 else "bfloat16"),
                      group_size=BS, window_blocks=window_blocks, min_tokens=min_tokens, sink_tokens=sinks)
 
@@ -125,10 +135,10 @@ def drive(s: KVStorage, specs, heads, window, seed=0, codecs=None):
     """Write each sequence's context in one earlier step, then run the test step through the
     native backend; returns (native out, torch-path out on the same cache, references, qsl)."""
     g = torch.Generator().manual_seed(seed)
-    kvh = s.kv_heads
+    kvh, hd = s.kv_heads, s.head_dim
     tables = tables_for(specs, False, g)
-    hist = [(torch.randn(d + n, kvh, D, generator=g).to(s.dtype) * 2, torch.randn(d + n, kvh, D, generator=g).to(s.dtype))
-            for d, n in specs]
+    hist = [(torch.randn(d + n, kvh, hd, generator=g).to(s.dtype) * 2,
+             torch.randn(d + n, kvh, hd, generator=g).to(s.dtype)) for d, n in specs]
     codecs = codecs or [None] * len(specs)
 
     def step(rng):
@@ -153,16 +163,16 @@ def drive(s: KVStorage, specs, heads, window, seed=0, codecs=None):
         qsl.append(qsl[-1] + n)
     slots = torch.tensor([int(tables[i][p // BS]) * BS + p % BS for i, (d, n) in enumerate(specs) for p in range(d, d + n)])
     meta = AttentionMetadata(slots, qsl, [d + n for d, n in specs], tables, BS, window)
-    q = torch.randn(qsl[-1], heads, D, generator=g).to(s.dtype)
+    q = torch.randn(qsl[-1], heads, hd, generator=g).to(s.dtype)
     k = torch.cat([hist[i][0][d:] for i, (d, _) in enumerate(specs)])
     v = torch.cat([hist[i][1][d:] for i, (d, _) in enumerate(specs)])
-    out = NativePagedBackend().forward(q, k, v, layer, meta, D ** -0.5)
+    out = NativePagedBackend().forward(q, k, v, layer, meta, hd ** -0.5)
     plan = attention.plan_step(meta, layer.shape, q.device)
-    torch_out = attention.attend_written(q, layer, meta, plan, D ** -0.5, torch.empty_like(q))
+    torch_out = attention.attend_written(q, layer, meta, plan, hd ** -0.5, torch.empty_like(q))
     refs = []
     for i, (d, n) in enumerate(specs):  # the reference reads what the codec stored (decoded)
         kv = layer.gather_blocks(tables[i][: -(-(d + n) // BS)])
-        kv = kv.reshape(2, -1, kvh, D)[:, : d + n]
+        kv = kv.reshape(2, -1, kvh, hd)[:, : d + n]
         refs.append(reference(q[qsl[i]:qsl[i + 1]], kv[0], kv[1], window))
     src = kv_source(layer)
     s.end_step()
@@ -184,6 +194,16 @@ def test_codec_pool_matches_reference_and_torch_path(pool, dtype, heads, kvh, wi
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=tol, rtol=tol, msg=f"sequence {i}")
     torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("pool", ["int8", "fp8", "int4"])
+def test_codecs_at_head_dim_64(pool):
+    s = storage(pool, torch.bfloat16, 2, window_blocks=48 if pool == "int4" else 0, d=64)
+    out, torch_out, refs, qsl, src = drive(s, CODEC_SPECS, 14, None)
+    assert src is not None
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_short_sequences_read_their_shadows():

@@ -46,6 +46,26 @@ inline float fp8_to_f(int8_t v) {
   return f * 1.329227995784916e36f;  // 2^120
 }
 
+// exp(x) for x <= 0 (softmax terms), branch-free so loops over it vectorize: x = n ln2 + r with
+// |r| <= ln2 / 2, 2^(r / ln2) by its degree-6 Taylor series (relative error ~2e-7).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.693147180559945309f;  // in [-ln2/2, ln2/2]
+  float p = 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 struct Side {
@@ -138,12 +158,15 @@ void load_rows(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t t0
   }
 }
 
-template <typename T>
+// DC > 0: head_dim known at compile time (64, 128), so the dot products and the V accumulation
+// have constant trip counts and vectorize fully; DC = 0: any head_dim.
+template <typename T, int DC>
 void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
          const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
          int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
          const Shadow& shk, const Shadow& shv, int64_t q_tile) {
-  const int64_t heads = q.size(1), d = q.size(2), g = heads / kvh;
+  const int64_t heads = q.size(1), g = heads / kvh;
+  const int64_t d = DC > 0 ? DC : q.size(2);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // Tasks: (seq, kv head, tile) flattened; tile offsets per sequence.
@@ -153,7 +176,7 @@ void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, con
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = g * q_tile;
     std::vector<float> Q(max_rows * d), acc(max_rows * d), m(max_rows), l(max_rows);
-    std::vector<float> K(bs * d), Kt(d * bs), V(bs * d), S(max_rows * bs);
+    std::vector<float> K(bs * d), V(bs * d), S(max_rows * bs);
     std::vector<int64_t> qpos(max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % kvh, tile = task / kvh;
@@ -181,48 +204,39 @@ void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, con
         const int64_t t0 = std::max(lo - blk * bs, int64_t(0)), t1 = std::min(hi - blk * bs, bs);
         const int64_t nt = t1 - t0;
         load_rows(ks, shk, b, h, t0, t1, bs, kvh, d, K.data());
-        for (int64_t t = 0; t < nt; ++t)
-          for (int64_t e = 0; e < d; ++e) Kt[e * nt + t] = K[t * d + e];
         load_rows(vs, shv, b, h, t0, t1, bs, kvh, d, V.data());
         const int64_t kpos0 = blk * bs + t0;
         for (int64_t r = 0; r < rows; ++r) {
-          float* sr = S.data() + r * nt;
-          for (int64_t t = 0; t < nt; ++t) sr[t] = 0.f;
-          const float* qr = Q.data() + r * d;
-          for (int64_t e = 0; e < d; ++e) {
-            const float qe = qr[e];
-            const float* kt = Kt.data() + e * nt;
-            for (int64_t t = 0; t < nt; ++t) sr[t] += qe * kt[t];
-          }
+          // Visible keys of this row inside the block: kpos in (qpos - w, qpos].
           const int64_t qp_r = qpos[r];
-          float mx = m[r];
-          bool any = false;
-          for (int64_t t = 0; t < nt; ++t) {
-            const int64_t kp = kpos0 + t;
-            if (kp > qp_r || (w > 0 && kp <= qp_r - w)) {
-              sr[t] = -std::numeric_limits<float>::infinity();
-            } else {
-              any = true;
-              mx = std::max(mx, sr[t]);
-            }
+          const int64_t a = w > 0 ? std::max<int64_t>(0, qp_r - w + 1 - kpos0) : 0;
+          const int64_t z = std::min<int64_t>(nt, qp_r - kpos0 + 1);
+          if (a >= z) continue;
+          float* __restrict__ sr = S.data() + r * nt;
+          const float* __restrict__ qr = Q.data() + r * d;
+          for (int64_t t = a; t < z; ++t) {
+            const float* __restrict__ kr = K.data() + t * d;
+            float dot = 0.f;
+            for (int64_t e = 0; e < d; ++e) dot += qr[e] * kr[e];
+            sr[t] = dot;
           }
-          if (!any) continue;
-          const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+          float mx = m[r];
+          for (int64_t t = a; t < z; ++t) mx = std::max(mx, sr[t]);
+          const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
           float sum = 0.f;
-          for (int64_t t = 0; t < nt; ++t) {
-            const float p = std::exp(sr[t] - mx);  // masked: exp(-inf) = 0
+          for (int64_t t = a; t < z; ++t) {
+            const float p = fast_exp(sr[t] - mx);
             sr[t] = p;
             sum += p;
           }
           l[r] = l[r] * corr + sum;
           m[r] = mx;
-          float* ar = acc.data() + r * d;
+          float* __restrict__ ar = acc.data() + r * d;
           if (corr != 1.f)
             for (int64_t e = 0; e < d; ++e) ar[e] *= corr;
-          for (int64_t t = 0; t < nt; ++t) {
+          for (int64_t t = a; t < z; ++t) {
             const float p = sr[t];
-            if (p == 0.f) continue;
-            const float* vr = V.data() + t * d;
+            const float* __restrict__ vr = V.data() + t * d;
             for (int64_t e = 0; e < d; ++e) ar[e] += p * vr[e];
           }
         }
@@ -288,14 +302,23 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
   const int64_t* wn = window.data_ptr<int64_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t stride = tables.size(1);
+  const int64_t d = q.size(2);
+#define KVSERVE_RUN(T, DC) run<T, DC>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, \
+                                    shk, shv, tile)
+#define KVSERVE_DISPATCH(T)                 \
+  if (d == 64) KVSERVE_RUN(T, 64);          \
+  else if (d == 128) KVSERVE_RUN(T, 128);   \
+  else KVSERVE_RUN(T, 0);
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
+    KVSERVE_DISPATCH(at::BFloat16)
   } else if (q.scalar_type() == at::kHalf) {
-    run<at::Half>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
+    KVSERVE_DISPATCH(at::Half)
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be bf16, fp16 or fp32");
-    run<float>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
+    KVSERVE_DISPATCH(float)
   }
+#undef KVSERVE_DISPATCH
+#undef KVSERVE_RUN
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
