@@ -134,7 +134,7 @@ class AttentionTimer:
 def make_engines(model: Path, codecs: list[str], contexts: list[int], batch: int, steps: int, memory: int,
                  threads: int | None, attention_backend: str = "auto") -> dict[str, LLMEngine]:
     """One engine per codec, all sharing one loaded model (same weights object, same memory)."""
-    import kvserve.engine.engine as engine_mod
+    import kvserve.model.loader as engine_mod  # build_inline_runner imports load_model from here
 
     loaded: dict[str, object] = {}
     real_load = engine_mod.load_model

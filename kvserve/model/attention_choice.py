@@ -2,8 +2,9 @@
 
 ``select_backend("auto", ...)`` times the torch path (gather + SDPA) and the native kernel on the
 model's attention shape (heads, KV heads, head dim, block size, dtype) for a decode batch and a
-prefill chunk, on synthetic blocks, and keeps the faster per role: ``attention_decode`` (steps
-whose sequences all decode) and ``attention_prefill`` (the others). The result is cached as JSON in
+prefill chunk, on synthetic blocks, and keeps the faster per role and band: ``attention_decode`` (steps
+whose sequences all decode), ``attention_prefill`` ``q<=96`` (steps whose longest chunk has at most
+96 new tokens: a session's next turn over its history) and ``q>96`` (the others). The result is cached as JSON in
 :func:`kvserve.native.cache_dir` (``attention_backend.json``), keyed by CPU model and flags, torch
 version, kernel source hash and shape, so a later start reads it instead of timing
 (``KVSERVE_ATTENTION_RETUNE=1`` measures again). Every choice is recorded in
@@ -39,8 +40,14 @@ from kvserve.native.choices import KernelChoice, record
 log = logging.getLogger("kvserve")
 CHOICES = ("auto", "torch_sdpa", "native")
 CACHE_FILE = "attention_backend.json"
-# Shapes timed: (sequences, context after the step, new tokens per sequence).
-DECODE_SHAPE, PREFILL_SHAPE = (4, 768, 1), (1, 256, 128)
+# Shapes timed per (role, band): (sequences, context after the step, new tokens per sequence).
+# Prefill is split at SHORT_CHUNK new tokens: a short chunk over a long context (a session's next
+# turn) reads much context per query, where skipping the gather pays; a long chunk is compute.
+SHORT_CHUNK = 96
+SHAPES = {("attention_decode", "all"): (4, 768, 1),
+          ("attention_prefill", f"q<={SHORT_CHUNK}"): (1, 1536, 64),
+          ("attention_prefill", f"q>{SHORT_CHUNK}"): (1, 384, 256)}
+ROLES = [f"{role}/{band}" for role, band in SHAPES]
 
 
 def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> str:
@@ -85,9 +92,9 @@ def measure(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: to
     """Median µs per layer call of each backend, per role."""
     torch_b, native_b = TorchSDPABackend(), NativePagedBackend()
     out = {}
-    for role, shape in (("attention_decode", DECODE_SHAPE), ("attention_prefill", PREFILL_SHAPE)):
+    for key, shape in zip(ROLES, SHAPES.values()):
         case = _case(shape, heads, kv_heads, head_dim, block_size, dtype)
-        out[role] = {"torch_sdpa": timer(torch_b, case), "native": timer(native_b, case)}
+        out[key] = {"torch_sdpa": timer(torch_b, case), "native": timer(native_b, case)}
     return out
 
 
@@ -105,21 +112,21 @@ def select_backend(requested: str, *, heads: int, kv_heads: int, head_dim: int, 
     """The backend to run (module doc); records the choice per role."""
     if requested not in CHOICES:
         raise ValueError(f"attention backend must be one of {', '.join(CHOICES)}, got {requested!r}")
-    roles = ("attention_decode", "attention_prefill")
+    roles = ROLES
     if requested == "torch_sdpa" or (device is not None and device.type != "cpu"):
         for role in roles:
-            record(KernelChoice(role, "all", "torch_sdpa", source="forced" if requested == "torch_sdpa" else
+            record(KernelChoice(*role.split("/"), "torch_sdpa", source="forced" if requested == "torch_sdpa" else
                                 "fallback"))
         return TorchSDPABackend()
     if attention_native.native_module() is None:
         why = attention_native.unavailable_reason()
         log.warning("native paged attention unavailable (%s); attention runs on the torch path", why)
         for role in roles:
-            record(KernelChoice(role, "all", "torch_sdpa", source="fallback"))
+            record(KernelChoice(*role.split("/"), "torch_sdpa", source="fallback"))
         return TorchSDPABackend() if requested == "auto" else NativePagedBackend()
     if requested == "native":
         for role in roles:
-            record(KernelChoice(role, "all", "native", source="forced"))
+            record(KernelChoice(*role.split("/"), "native", source="forced"))
         return NativePagedBackend()
     key = cache_key(heads, kv_heads, head_dim, block_size, dtype)
     path = native.cache_dir() / CACHE_FILE
@@ -138,9 +145,10 @@ def select_backend(requested: str, *, heads: int, kv_heads: int, head_dim: int, 
             log.warning("cannot cache the attention backend choice in %s: %s", path, e)
     picks = {role: min(timings[role], key=timings[role].get) for role in roles}
     for role in roles:
-        record(KernelChoice(role, "all", picks[role], dict(timings[role]), source))
-    log.info("attention backend: decode %s, prefill %s (%s; µs per layer call %s)", picks[roles[0]],
-             picks[roles[1]], source, timings)
+        record(KernelChoice(*role.split("/"), picks[role], dict(timings[role]), source))  # type: ignore[misc]
+    log.info("attention backend: %s (%s; µs per layer call %s)", picks, source, timings)
     if set(picks.values()) == {"torch_sdpa"}:
         return TorchSDPABackend()
-    return NativePagedBackend(decode=picks[roles[0]] == "native", prefill=picks[roles[1]] == "native")
+    native_b = [picks[r] == "native" for r in roles]
+    return NativePagedBackend(decode=native_b[0], prefill=native_b[2], short_prefill=native_b[1],
+                              short_chunk=SHORT_CHUNK)

@@ -162,11 +162,22 @@ class NativePagedBackend:
 
     name = "native"
 
-    def __init__(self, module: ModuleType | None = None, *, decode: bool = True, prefill: bool = True) -> None:
-        """``decode``/``prefill``: whether steps of that kind (every sequence decodes / any does
-        not) use the kernel; the others are planned and run as the torch backend does."""
+    def __init__(self, module: ModuleType | None = None, *, decode: bool = True, prefill: bool = True,
+                 short_prefill: bool | None = None, short_chunk: int = 0) -> None:
+        """Whether steps of each kind use the kernel (the others are planned and run as the torch
+        backend does): ``decode`` (every sequence decodes), ``short_prefill`` (the longest chunk
+        has at most ``short_chunk`` new tokens; default: as ``prefill``), ``prefill`` (the rest)."""
         self._module = module
         self.decode, self.prefill = decode, prefill
+        self.short_prefill = prefill if short_prefill is None else short_prefill
+        self.short_chunk = short_chunk
+
+    def _uses_kernel(self, meta: AttentionMetadata) -> bool:
+        if meta.all_decode:
+            return self.decode
+        qsl = meta.query_start_loc
+        longest = max(qsl[i + 1] - qsl[i] for i in range(meta.num_seqs))
+        return self.short_prefill if longest <= self.short_chunk else self.prefill
 
     @property
     def module(self) -> ModuleType | None:
@@ -175,7 +186,7 @@ class NativePagedBackend:
         return self._module
 
     def plan(self, meta: AttentionMetadata, kv_shape: tuple[int, ...], device: torch.device) -> Any:
-        if not (self.decode if meta.all_decode else self.prefill):
+        if not self._uses_kernel(meta):
             return attention.plan_step(meta, kv_shape, device)
         return plan_native(meta)
 
