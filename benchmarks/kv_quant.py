@@ -42,7 +42,6 @@ sys.path.insert(0, str(ROOT))
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.contract import ScheduledChunk, SchedulerOutput
 from kvserve.engine.engine import LLMEngine
-from kvserve.model import attention
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -104,36 +103,38 @@ class Driver:
 
 
 class AttentionTimer:
-    """Wraps ``paged_attention`` to time layer 0's call (the first call of each forward)."""
+    """Times layer 0's attention call (write + read of the KV, whatever the backend) per step by
+    wrapping the engine's attention backend; every ``num_layers``-th call is layer 0's."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.times: list[float] = []
-        self._orig = attention.paged_attention
-        self._layer = 0
+        self.backend = engine.runner.attention
+        self.layers = engine.model_config.num_hidden_layers
+        self.calls = 0
 
     def __enter__(self) -> Self:
-        from kvserve.model import llama
+        orig = type(self.backend).forward
 
         def timed(q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def]
-            first = meta._plan is None  # layer 0 builds the step plan
+            first = self.calls % self.layers == 0
+            self.calls += 1
             t0 = time.perf_counter()
-            out = self._orig(q, k, v, kv_cache, meta, scale)
+            out = orig(self.backend, q, k, v, kv_cache, meta, scale)
             if first:
                 self.times.append(time.perf_counter() - t0)
             return out
 
-        self._llama = llama
-        llama.paged_attention = timed  # type: ignore[assignment]
+        self.backend.forward = timed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._llama.paged_attention = self._orig  # type: ignore[assignment]
+        del self.backend.forward
 
 
 def make_engines(model: Path, codecs: list[str], contexts: list[int], batch: int, steps: int, memory: int,
-                 threads: int | None) -> dict[str, LLMEngine]:
+                 threads: int | None, attention_backend: str = "auto") -> dict[str, LLMEngine]:
     """One engine per codec, all sharing one loaded model (same weights object, same memory)."""
-    import kvserve.engine.engine as engine_mod
+    import kvserve.model.loader as engine_mod  # build_inline_runner imports load_model from here
 
     loaded: dict[str, object] = {}
     real_load = engine_mod.load_model
@@ -152,7 +153,7 @@ def make_engines(model: Path, codecs: list[str], contexts: list[int], batch: int
             sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096,
                                     max_model_len=max(contexts) + 2 * steps + 8)
             engines[codec] = LLMEngine(EngineConfig(model=str(model), cache=cache, scheduler=sched,
-                                                    num_threads=threads))
+                                                    num_threads=threads, attention_backend=attention_backend))
             assert engines[codec].runner.kv_bytes == engines[codec].capacity.allocated_bytes
     finally:
         engine_mod.load_model = real_load  # type: ignore[assignment]
@@ -179,7 +180,7 @@ def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, step
                 drivers[c].decode(1)  # warm-up at this context
             for i in range(steps):
                 for c in names[i % len(names):] + names[:i % len(names)]:
-                    with AttentionTimer() as at:
+                    with AttentionTimer(engines[c]) as at:
                         step_t[c].extend(drivers[c].decode(1))
                     attn_t[c].extend(at.times)
             for c in names:
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="torch threads (the machine's 2 cores; with OMP_WAIT_POLICY=PASSIVE, set by "
                          "kvserve, OpenMP no longer spins against the GEMM shard threads)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or native")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "kv_quant.json")
     a = ap.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -241,11 +243,16 @@ def main(argv: list[str] | None = None) -> None:
         codecs.insert(0, "bf16")
     model = ensure_model(a.model)
     t0 = time.time()
-    engines = make_engines(model, codecs, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads)
+    engines = make_engines(model, codecs, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads,
+                           a.attention_backend)
     results = run_all(engines, contexts, a.batch, a.steps)
     add_ratios(results, "bf16")
     print(table(results, contexts))
-    doc = {"model": str(model), "batch": a.batch, "steps": a.steps, "contexts": contexts,
+    from kvserve.bench.machine import cpu_info
+    from kvserve.native.choices import choices
+
+    doc = {"model": str(model), "cpu": cpu_info(), "attention_backend": a.attention_backend,
+           "attention_choices": [c.__dict__ for c in choices()], "batch": a.batch, "steps": a.steps, "contexts": contexts,
            "threads": torch.get_num_threads(), "wall_s": round(time.time() - t0, 1), "codecs": results}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(doc, indent=1))

@@ -44,6 +44,7 @@ def turns(
     kv_disk_dir: Annotated[str | None, typer.Option(
         help="session-tiers: the disk tier (default: a temporary directory).")] = None,
     big_kv_cache_memory: Annotated[str, typer.Option(help="session-big: a pool that holds everything.")] = "8GiB",
+    attention_backend: Annotated[str, typer.Option(help="auto, torch_sdpa or native.")] = "auto",
     out: Annotated[Path, typer.Option(help="Folder for turns.json and turns.png.")] = Path("bench-out"),
 ) -> None:
     """The turn-by-turn latency experiment: TTFT, ms/token and KV held against turn, per mode."""
@@ -54,7 +55,8 @@ def turns(
     cfg = TurnsConfig(model=resolve_model_path(model), modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
                       turns=turns, user_tokens=user_tokens, new_tokens=new_tokens, conversations=conversations,
                       dtype=dtype, kv_cache_memory=kv_cache_memory, kv_host_memory=kv_host_memory,
-                      kv_disk_dir=kv_disk_dir, big_kv_cache_memory=big_kv_cache_memory)
+                      kv_disk_dir=kv_disk_dir, big_kv_cache_memory=big_kv_cache_memory,
+                      attention_backend=attention_backend)
     console = Console()
     doc = _run_with_progress(cfg, console, out)
     plot_turns(doc, out / "turns.png")

@@ -52,6 +52,7 @@ class TurnsConfig:
     kv_host_memory: str = "4GiB"      # session-tiers: the host tier
     kv_disk_dir: str | None = None    # session-tiers: the disk tier (None: a temporary directory)
     big_kv_cache_memory: str = "8GiB"  # session-big: a pool that holds every conversation
+    attention_backend: str = "auto"    # kvserve.model.attention_choice: auto, torch_sdpa, native
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -91,7 +92,8 @@ def _engine(cfg: TurnsConfig, mode: str, disk_dir: str | None) -> LLM:
     return LLM(cfg.model, dtype=cfg.dtype,
                kv_cache_memory=cfg.big_kv_cache_memory if mode == "session-big" else cfg.kv_cache_memory,
                enable_prefix_caching=mode != "none", max_num_batched_tokens=4096,
-               max_model_len=(cfg.turns + 1) * (cfg.user_tokens + cfg.new_tokens) + 16, **tiers)  # type: ignore[arg-type]
+               max_model_len=(cfg.turns + 1) * (cfg.user_tokens + cfg.new_tokens) + 16,
+               attention_backend=cfg.attention_backend, **tiers)  # type: ignore[arg-type]
 
 
 def run_engine_mode(cfg: TurnsConfig, mode: str, progress: Callable[[int], None] | None = None,

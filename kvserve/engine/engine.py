@@ -99,7 +99,7 @@ class LLMEngine:
                                  sliding_window=self.model_config.sliding_window)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
-                          config.num_threads, config.seed, root)
+                          config.num_threads, config.seed, root, config.attention_backend)
         self.runner: Runner = ProcessRunner(spec) if config.runner == "process" else build_inline_runner(spec)
         self.kv.tiers.index.load_snapshot(self.runner.tier_snapshot())  # e.g. the disk tier after a restart
         restored = attach_session_stores(self.kv.sessions, config.cache)

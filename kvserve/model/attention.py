@@ -257,7 +257,13 @@ def paged_attention(
     cache = as_layer_kv(kv_cache)
     cache.write(k, v, meta.slot_mapping)
     plan: StepPlan = meta.plan if meta.plan is not None else plan_step(meta, cache.shape, q.device)
-    out = torch.empty_like(q)
+    return attend_written(q, cache, meta, plan, scale, torch.empty_like(q))
+
+
+def attend_written(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, plan: StepPlan, scale: float,
+                   out: torch.Tensor) -> torch.Tensor:
+    """The read half of :func:`paged_attention` (K/V already written): fills the rows of ``out``
+    of the sequences ``plan`` names and returns it; other rows are left as they are."""
     if plan.batch is not None:
         out[plan.batch.rows] = _attend_decode_batch(q[plan.batch.rows], cache, plan.batch, scale)
     for i in plan.loop:

@@ -43,7 +43,13 @@ class TorchSDPABackend:
         return attention.paged_attention(q, k, v, kv_cache, meta, scale)
 
 
-BACKENDS: dict[str, AttentionBackend] = {"torch_sdpa": TorchSDPABackend()}
+def _native() -> AttentionBackend:
+    from kvserve.model.attention_native import NativePagedBackend
+
+    return NativePagedBackend()
+
+
+BACKENDS: dict[str, AttentionBackend] = {"torch_sdpa": TorchSDPABackend(), "native": _native()}
 DEFAULT_BACKEND = "torch_sdpa"
 
 

@@ -30,6 +30,7 @@ from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers.stack import TierStack
 from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
+from kvserve.model.attention_choice import CHOICES, select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.inputs import ModelInputs, build_inputs
@@ -56,7 +57,13 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.state = RunnerState()
-        self.attention = get_backend(attention_backend)
+        if attention_backend in CHOICES:  # auto (measured on this machine) or forced
+            self.attention = select_backend(
+                attention_backend, heads=model_config.num_attention_heads, kv_heads=model_config.num_key_value_heads,
+                head_dim=model_config.head_dim, block_size=capacity.block_size,
+                dtype=torch_dtype(model_config.dtype), device=device)
+        else:
+            self.attention = get_backend(attention_backend)
         self._tokenizer_path = tokenizer_path  # loaded on the first response_format request
         self._tokenizer: Any = None
         self.tiers = tiers

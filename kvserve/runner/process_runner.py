@@ -44,6 +44,7 @@ class RunnerSpec:
     num_threads: int | None = None
     seed: int = 0
     root_key: bytes = b""  # the engine's block root (kvserve.kv.hashing): tier objects carry it
+    attention_backend: str = "auto"  # kvserve.model.attention_choice.select_backend
 
 
 def build_tiers(spec: RunnerSpec) -> TierStack:
@@ -74,7 +75,8 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
         set_cpu_threads(spec.num_threads)
     model, model_config = load_model(spec.model, dtype=spec.dtype, device=device)
     return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
-                       tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None)
+                       tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None,
+                       attention_backend=spec.attention_backend)
 
 
 def _child_main(conn: Connection, spec: RunnerSpec) -> None:

@@ -25,7 +25,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
                         kv_disk_size: str | None = None, kv_remote: str | None = None,
                         session_demote_after_s: float | None = None, speculative: str | None = None,
-                        num_speculative_tokens: int | None = None) -> EngineConfig:
+                        num_speculative_tokens: int | None = None,
+                        attention_backend: str | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -71,6 +72,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
         top_kw["device"] = device
     if runner is not None:
         top_kw["runner"] = runner
+    if attention_backend is not None:
+        top_kw["attention_backend"] = attention_backend
     return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),
                                scheduler=dataclasses.replace(base.scheduler, **sched_kw), **top_kw)
 
@@ -114,6 +117,8 @@ def serve(
     session_overflow: Annotated[str | None, typer.Option(
         "--session-overflow", help="When a session outgrows its cap: error, drop_oldest or window.")] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N].")] = None,
+    attention_backend: Annotated[str | None, typer.Option(
+        "--attention-backend", help="auto (timed on this machine, cached), torch_sdpa or native.")] = None,
     runner: Annotated[str | None, typer.Option(
         "--runner", help="inline (this process) or process (the model and KV in a child process).")] = None,
     kv_host_memory: Annotated[str | None, typer.Option("--kv-host-memory", help="Host RAM KV tier, e.g. 8GiB.")] = None,
@@ -169,7 +174,8 @@ def serve(
                                max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
                                kv_remote=kv_remote, session_demote_after_s=session_demote_after,
-                               speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                               speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                               attention_backend=attention_backend)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),

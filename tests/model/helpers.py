@@ -75,6 +75,7 @@ class PagedRunner:
     block_size: int = 4
     num_blocks: int = 96
     seed: int = 0
+    backend: Any = None  # an AttentionBackend; None = attention.paged_attention (the torch path)
     kv_caches: list[torch.Tensor] = field(init=False)
     free_blocks: list[int] = field(init=False)
 
@@ -115,6 +116,10 @@ class PagedRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=qsl, seq_lens=seq_lens,
             block_tables=[c[2] for c in chunks], block_size=self.block_size,
         )
+        if self.backend is not None:  # as the runner does: the backend plans the step once
+            meta.sliding_window = self.config.sliding_window
+            meta.backend = self.backend
+            meta.plan = self.backend.plan(meta, tuple(self.kv_caches[0].shape), torch.device("cpu"))
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv_caches, meta)
             return self.model.compute_logits(hidden)

@@ -75,22 +75,36 @@ def hf_greedy(loaded: Callable[[str], tuple]) -> Callable[[str], tuple[list[int]
     return get
 
 
+def backend_for(name: str | None) -> object:
+    """None: attention.paged_attention directly; "native": the C++ kernel (skipped without it)."""
+    if name is None:
+        return None
+    from kvserve.model.attention_native import NativePagedBackend, native_module, unavailable_reason
+
+    if native_module() is None:
+        pytest.skip(f"no native kernel: {unavailable_reason()}")
+    return NativePagedBackend()
+
+
+@pytest.mark.parametrize("backend", [None, "native"])
 @pytest.mark.parametrize("case", list(PARITY_CASES))
-def test_greedy_tokens_match_transformers_generate(case: str, loaded: Callable[[str], tuple],
+def test_greedy_tokens_match_transformers_generate(case: str, backend: str | None, loaded: Callable[[str], tuple],
                                                    hf_greedy: Callable[[str], tuple]) -> None:
     model, config, _ = loaded(case)
     prompt, expected = hf_greedy(case)
     assert len(expected) == NEW_TOKENS
-    tokens, _ = PagedRunner(model, config, seed=5).greedy(prompt, NEW_TOKENS)
+    tokens, _ = PagedRunner(model, config, seed=5, backend=backend_for(backend)).greedy(prompt, NEW_TOKENS)
     assert tokens == expected
 
 
+@pytest.mark.parametrize("backend", [None, "native"])
 @pytest.mark.parametrize("case", ["llama-gqa", "mistral-window"])
-def test_chunked_prefill_then_decode_matches_generate(case: str, loaded: Callable[[str], tuple],
+def test_chunked_prefill_then_decode_matches_generate(case: str, backend: str | None, loaded: Callable[[str], tuple],
                                                       hf_greedy: Callable[[str], tuple]) -> None:
     model, config, _ = loaded(case)
     prompt, expected = hf_greedy(case)
-    tokens, _ = PagedRunner(model, config, seed=6).greedy(prompt, NEW_TOKENS, chunk_sizes=[5, 11, len(prompt) - 16])
+    runner = PagedRunner(model, config, seed=6, backend=backend_for(backend))
+    tokens, _ = runner.greedy(prompt, NEW_TOKENS, chunk_sizes=[5, 11, len(prompt) - 16])
     assert tokens == expected
 
 

@@ -1,0 +1,212 @@
+"""The ``native`` attention backend: a C++ kernel that reads K/V in their blocks (no gather copy).
+
+``kvserve/native/csrc/paged_attention.cpp`` walks each sequence's block table and keeps a
+flash-style online softmax over blocks; every query head of one KV head shares each K/V read
+(GQA-grouped); tasks ``(sequence, kv head, query tile)`` run on torch's thread pool. It covers
+decodes and prefill chunks (causal mask over the existing context), sliding windows, the float
+pools (bf16/fp16/fp32) and the codecs int8, fp8 and int4 (dequantized block by block into an
+L1-sized fp32 scratch from the codec's own fields), including blocks read from the
+full-precision shadows of :mod:`kvserve.kv.storage`.
+
+What stays on the torch path (:mod:`kvserve.model.attention`), sequence by sequence: sinks,
+dropped blocks inside the window and block scores (:mod:`kvserve.model.attention_kept`); and the
+whole layer when its KV is a codec pool holding blocks of more than one codec pair (a per-request
+``kv_cache_dtype`` override), or when the extension is unavailable (:func:`native_module` is None:
+``KVSERVE_NATIVE=0``, no compiler, a failed build).
+
+Invariant: the kernel's output equals softmax(q kᵀ · scale) v over each query's visible keys, up
+to float rounding (fp32 accumulation; tests/native/test_paged_native.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvserve import native
+from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, as_layer_kv
+from kvserve.kv.quant import Fp8Codec, IdentityCodec, Int4ChannelCodec, Int4TokenCodec, Int8Codec
+from kvserve.model import attention
+from kvserve.model.attention import AttentionMetadata, StepPlan
+
+EXTENSION = "kvserve_paged"
+SOURCES = ["paged_attention.cpp"]
+_FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
+# each decoded block, few enough that the scratch stays in L1/L2 and causal tiles balance.
+Q_TILE = 8
+
+
+def native_module() -> ModuleType | None:
+    """The compiled kernel, built on first use; None (with :func:`unavailable_reason`) when not."""
+    return native.load_extension(EXTENSION, SOURCES)
+
+
+def unavailable_reason() -> str | None:
+    return native.unavailable_reason(EXTENSION)
+
+
+@dataclass
+class NativePlan:
+    """One step's kernel inputs, shared by every layer: the sequences the kernel attends (their
+    query starts/lengths, context lengths, windows, padded block tables) and the ones the torch
+    path attends (``kept``). ``torch_plan`` is built only if a layer falls back entirely."""
+
+    seqs: list[int]
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    seq_len: torch.Tensor
+    window: torch.Tensor
+    tables: torch.Tensor
+    kept: list[int]
+    torch_plan: StepPlan | None = field(default=None)
+
+
+def plan_native(meta: AttentionMetadata) -> NativePlan:
+    kept = [i for i in range(meta.num_seqs) if meta.kept_path(i)]
+    seqs = [i for i in range(meta.num_seqs) if i not in set(kept)]
+    bs = meta.block_size
+    width = max((-(-meta.seq_lens[i] // bs) for i in seqs), default=1)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for row, i in enumerate(seqs):
+        t = meta.block_tables[i][: -(-meta.seq_lens[i] // bs)]
+        tables[row, : t.numel()] = t.cpu()
+    qsl = meta.query_start_loc
+    return NativePlan(
+        seqs,
+        torch.tensor([qsl[i] for i in seqs], dtype=torch.int64),
+        torch.tensor([qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int64),
+        torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.int64),
+        torch.tensor([meta.window_of(i) or 0 for i in seqs], dtype=torch.int64),
+        tables, kept)
+
+
+_EMPTY_B = torch.zeros(0, dtype=torch.bool)
+_EMPTY_L = torch.zeros(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a layer's K and V bytes are, in the kernel's terms (see the .cpp header)."""
+
+    k_base: torch.Tensor
+    k_params: list[int]
+    v_base: torch.Tensor
+    v_params: list[int]
+    shadow: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _plain_source(t: torch.Tensor) -> KVSource | None:
+    if t.dtype not in _FLOAT_KIND or not t.is_contiguous() or t.device.type != "cpu":
+        return None
+    stride = t[0, 0].numel() * t.element_size()
+    params = [_FLOAT_KIND[t.dtype], stride, 0, 0, 0, 1]
+    return KVSource(t[0], params, t[1], list(params), (t.new_zeros(0), _EMPTY_B, _EMPTY_L, _EMPTY_L))
+
+
+def _side_params(codec: Any, placed: Any, region: torch.Tensor) -> list[int] | None:
+    offs = {f.name: off for f, off in placed}
+    stride = region.stride(0)
+    if isinstance(codec, IdentityCodec) and codec.dtype in _FLOAT_KIND:
+        return [_FLOAT_KIND[codec.dtype], stride, 0, 0, offs["data"], 1]
+    if isinstance(codec, (Int8Codec, Fp8Codec)):
+        return [3 if isinstance(codec, Int8Codec) else 4, stride, offs["scale"], 0, offs["q"], 1]
+    if isinstance(codec, Int4TokenCodec):
+        return [5, stride, offs["scale"], offs["zero"], offs["q"], 1]
+    if isinstance(codec, Int4ChannelCodec):
+        return [6, stride, offs["scale"], offs["zero"], offs["q"], codec.group_size]
+    return None
+
+
+def _codec_source(cache: CodecLayerKV) -> KVSource | None:
+    s = cache.storage
+    if len(s.pairs_used) != 1 or s.device.type != "cpu":
+        return None
+    pair = s.pairs[next(iter(s.pairs_used))]
+    kr, vr = s.k_regions[cache.layer], s.v_regions[cache.layer]
+    if kr.stride(1) != 1 or vr.stride(1) != 1:
+        return None
+    kp, vp = _side_params(pair.k, pair.k_fields, kr), _side_params(pair.v, pair.v_fields, vr)
+    if kp is None or vp is None:
+        return None
+    if s.shadow_of:
+        # kvserve.kv.storage mirrors: which blocks have a shadow, its slot, how many rows it serves.
+        shadow = (s.shadows[cache.layer], s._has_shadow, s._shadow_slot, s._shadow_rows)
+    else:
+        shadow = (torch.zeros(0, dtype=s.dtype), _EMPTY_B, _EMPTY_L, _EMPTY_L)
+    return KVSource(kr, kp, vr, vp, shadow)
+
+
+def kv_source(cache: LayerKV) -> KVSource | None:
+    """The kernel's view of ``cache``, or None when the kernel cannot read it (torch path)."""
+    if isinstance(cache, PlainLayerKV):
+        return _plain_source(cache.tensor)
+    if isinstance(cache, CodecLayerKV):
+        return _codec_source(cache)
+    return None
+
+
+def run_kernel(mod: ModuleType, q: torch.Tensor, out: torch.Tensor, plan: NativePlan, src: KVSource,
+               block_size: int, kv_heads: int, scale: float) -> None:
+    """Fill ``out``'s rows of ``plan.seqs`` (q, out contiguous ``[T, H, D]``)."""
+    mod.paged_attention(q, out, plan.q_start, plan.q_len, plan.seq_len, plan.window, plan.tables, scale,
+                        block_size, kv_heads, src.k_base, src.k_params, src.v_base, src.v_params, *src.shadow,
+                        Q_TILE)
+
+
+class NativePagedBackend:
+    """The C++ kernel for every sequence it covers; the torch path for the rest (module doc)."""
+
+    name = "native"
+
+    def __init__(self, module: ModuleType | None = None, *, decode: bool = True, prefill: bool = True,
+                 short_prefill: bool | None = None, short_chunk: int = 0) -> None:
+        """Whether steps of each kind use the kernel (the others are planned and run as the torch
+        backend does): ``decode`` (every sequence decodes), ``short_prefill`` (the longest chunk
+        has at most ``short_chunk`` new tokens; default: as ``prefill``), ``prefill`` (the rest)."""
+        self._module = module
+        self.decode, self.prefill = decode, prefill
+        self.short_prefill = prefill if short_prefill is None else short_prefill
+        self.short_chunk = short_chunk
+
+    def _uses_kernel(self, meta: AttentionMetadata) -> bool:
+        if meta.all_decode:
+            return self.decode
+        qsl = meta.query_start_loc
+        longest = max(qsl[i + 1] - qsl[i] for i in range(meta.num_seqs))
+        return self.short_prefill if longest <= self.short_chunk else self.prefill
+
+    @property
+    def module(self) -> ModuleType | None:
+        if self._module is None:
+            self._module = native_module()
+        return self._module
+
+    def plan(self, meta: AttentionMetadata, kv_shape: tuple[int, ...], device: torch.device) -> Any:
+        if not self._uses_kernel(meta):
+            return attention.plan_step(meta, kv_shape, device)
+        return plan_native(meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if isinstance(meta.plan, StepPlan):  # a step this backend leaves to the torch path
+            return attention.paged_attention(q, k, v, kv_cache, meta, scale)
+        cache = as_layer_kv(kv_cache)
+        cache.write(k, v, meta.slot_mapping)
+        plan: NativePlan = meta.plan if isinstance(meta.plan, NativePlan) else plan_native(meta)
+        mod = self.module
+        src = kv_source(cache) if mod is not None and q.device.type == "cpu" else None
+        out = torch.empty_like(q)
+        if src is None:  # the whole layer on the torch path
+            if plan.torch_plan is None:
+                plan.torch_plan = attention.plan_step(meta, cache.shape, q.device)
+            return attention.attend_written(q, cache, meta, plan.torch_plan, scale, out)
+        q = q.contiguous()
+        if plan.seqs:
+            run_kernel(mod, q, out, plan, src, cache.shape[2], cache.shape[3], scale)
+        if plan.kept:
+            attention.attend_written(q, cache, meta, StepPlan(None, plan.kept), scale, out)
+        return out

@@ -1,0 +1,103 @@
+"""Choosing the attention backend: forced, measured once and cached, or the torch fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.model import attention_choice
+from kvserve.model.attention_backends import TorchSDPABackend
+from kvserve.model.attention_native import NativePagedBackend, native_module
+from kvserve.native import choices
+
+SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": torch.float32}
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVSERVE_ATTENTION_RETUNE", raising=False)
+    choices.clear()
+    yield
+    choices.clear()
+
+
+def recorded() -> dict[tuple[str, str], tuple[str, str]]:
+    return {(c.role, c.band): (c.choice, c.source) for c in choices.choices()}
+
+
+def test_forcing_torch_records_it():
+    assert isinstance(attention_choice.select_backend("torch_sdpa", **SHAPE), TorchSDPABackend)
+    assert set(recorded().values()) == {("torch_sdpa", "forced")} and len(recorded()) == 3
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="auto, torch_sdpa, native"):
+        attention_choice.select_backend("flash", **SHAPE)
+
+
+def test_without_the_extension_auto_is_the_torch_path(monkeypatch):
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native, "_why", {})
+    monkeypatch.setenv("KVSERVE_NATIVE", "0")
+    assert isinstance(attention_choice.select_backend("auto", **SHAPE), TorchSDPABackend)
+    assert recorded()[("attention_decode", "all")] == ("torch_sdpa", "fallback")
+    forced = attention_choice.select_backend("native", **SHAPE)  # still runs: the torch path inside
+    assert isinstance(forced, NativePagedBackend) and forced.module is None
+
+
+@pytest.mark.skipif(native_module() is None, reason="no native kernel")
+def test_auto_picks_the_faster_per_role_and_caches_it(monkeypatch, tmp_path):
+    calls = []
+
+    def timer(backend, case):
+        calls.append(backend.name)
+        kind = {1: "decode", 64: "short"}.get(case[3].query_start_loc[1], "long")
+        return {("native", "decode"): 1.0, ("torch_sdpa", "decode"): 2.0, ("native", "short"): 1.0,
+                ("torch_sdpa", "short"): 1.2, ("native", "long"): 3.0, ("torch_sdpa", "long"): 1.5}[
+                    (backend.name, kind)]
+
+    real = attention_choice.measure
+    monkeypatch.setattr(attention_choice, "measure", lambda *a: real(*a, timer=timer))
+    b = attention_choice.select_backend("auto", **SHAPE)
+    assert isinstance(b, NativePagedBackend) and b.decode and b.short_prefill and not b.prefill
+    assert recorded() == {("attention_decode", "all"): ("native", "measured"),
+                          ("attention_prefill", "q<=96"): ("native", "measured"),
+                          ("attention_prefill", "q>96"): ("torch_sdpa", "measured")}
+    assert len(calls) == 6
+    data = json.loads((tmp_path / attention_choice.CACHE_FILE).read_text())
+    key = attention_choice.cache_key(*SHAPE.values())
+    assert data[key]["attention_decode/all"] == {"torch_sdpa": 2.0, "native": 1.0}
+    b2 = attention_choice.select_backend("auto", **SHAPE)   # read from the cache: no timing
+    assert len(calls) == 6 and b2.decode and not b2.prefill
+    assert recorded()[("attention_decode", "all")] == ("native", "cached")
+    monkeypatch.setenv("KVSERVE_ATTENTION_RETUNE", "1")
+    attention_choice.select_backend("auto", **SHAPE)
+    assert len(calls) == 12
+
+
+@pytest.mark.skipif(native_module() is None, reason="no native kernel")
+def test_a_step_the_kernel_is_not_chosen_for_runs_the_torch_plan():
+    """decode=True, prefill=False: a step with a long prefill chunk gets the torch plan; with
+    short_prefill=True a step whose chunks are short gets the kernel."""
+    from kvserve.model.attention import AttentionMetadata, StepPlan
+    from kvserve.model.attention_native import NativePlan
+
+    b = NativePagedBackend(decode=True, prefill=False)
+    shape = (2, 16, 4, 2, 8)
+    dec = AttentionMetadata(torch.tensor([3, 7]), [0, 1, 2], [4, 8], [torch.tensor([0]), torch.tensor([1, 2])], 4)
+    pre = AttentionMetadata(torch.tensor([3, 6, 7]), [0, 1, 3], [4, 8], [torch.tensor([0]), torch.tensor([1, 2])], 4)
+    assert isinstance(b.plan(dec, shape, torch.device("cpu")), NativePlan)
+    assert isinstance(b.plan(pre, shape, torch.device("cpu")), StepPlan)
+    short = NativePagedBackend(decode=False, prefill=False, short_prefill=True, short_chunk=2)
+    assert isinstance(short.plan(pre, shape, torch.device("cpu")), NativePlan)
+    assert isinstance(short.plan(dec, shape, torch.device("cpu")), StepPlan)
+
+
+def test_measuring_gives_both_backends_per_role():
+    out = attention_choice.measure(**SHAPE)
+    assert set(out) == set(attention_choice.ROLES)
+    assert all(set(role) == {"torch_sdpa", "native"} and min(role.values()) > 0 for role in out.values())
