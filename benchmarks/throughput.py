@@ -127,6 +127,10 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
     res["batch_tok_s"], res["batch_decode_phase_tok_s"] = kvserve_batched(eng, args, args.batch)
     res["half_batch_decode_phase_tok_s"] = kvserve_batched(eng, args, max(1, args.batch // 2))[1]
     res["kv_bytes_per_token"] = eng.capacity.bytes_per_token
+    from kvserve.native.choices import choices
+
+    res["kernel_choices"] = [{"role": c.role, "band": c.band, "choice": c.choice, "source": c.source}
+                             for c in choices()]
     return res
 
 
@@ -312,6 +316,8 @@ def report(doc: dict) -> str:
     row(f"  {doc['batch'] // 2} requests, decode phase, tok/s", lambda d: d.get("half_batch_decode_phase_tok_s"))
     row("peak RSS (GiB)", lambda d: d["peak_rss_bytes"] / 2**30, "{:.2f}")
     console = Console(record=True, width=120, file=io.StringIO())
+    if doc.get("cpu"):
+        console.print(f"CPU: {doc['cpu']['model']}  flags: {' '.join(doc['cpu']['flags'])}")
     console.print(table)
     for name, r in doc.get("ratios", {}).items():
         console.print(f"{name}: {r:.2f}")
@@ -343,6 +349,10 @@ def main() -> None:
         print(json.dumps(res))
         return
 
+    from kvserve.bench.machine import cpu_info
+
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {args.threads}", file=sys.stderr)
     ensure_model(args.model, args.dtype)
     wbytes = weights_bytes(args.model)
     bw_start = measure_bandwidth(args.threads)
@@ -360,7 +370,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))
     bw = 0.5 * (bw_start + measure_bandwidth(args.threads))
-    doc = {"dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
+    doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/throughput.py", *sys.argv[1:]]), "dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
            "batch": args.batch, "batch_prompt": args.batch_prompt, "batch_new": args.batch_new,
            "weights_bytes": wbytes, "bandwidth_gb_s": bw, "bandwidth_gb_s_start": bw_start, "engines": results}
     kv_bpt = next((r.get("kv_bytes_per_token") for r in results.values() if r.get("kv_bytes_per_token")), 12288)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Annotated
 
@@ -37,12 +38,16 @@ def generate(
     max_model_len: MaxLenOpt = None,
     n: Annotated[int, typer.Option("--n", help="Number of samples.")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose/--quiet", help="Log the KV allocation.")] = True,
+    retune_kernels: Annotated[bool, typer.Option(
+        "--retune-kernels", help="Measure the GEMM paths again (also KVSERVE_RETUNE_KERNELS=1).")] = False,
 ) -> None:
     """Complete one prompt and print the text."""
     from kvserve.engine.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
     _setup_logging(verbose)
+    if retune_kernels:
+        os.environ["KVSERVE_RETUNE_KERNELS"] = "1"
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
     llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)

@@ -37,6 +37,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from kvserve.native import fused
+
 # torch 2.13 marks the FBGEMM fp16 ops deprecated (a once-per-process UserWarning); torch is pinned.
 # A filter for that message only, instead of catch_warnings() per call (not thread-safe, and on
 # the decode path).
@@ -123,6 +125,7 @@ class PackedFp16Linear(nn.Module):
                                  persistent=False)
             self.register_buffer(f"bias{i}", b[lo:hi].contiguous(), persistent=False)
         self._parts = [(getattr(self, f"packed{i}"), getattr(self, f"bias{i}")) for i in range(n)]
+        self.inline = False  # True: run the shards one after another on the calling thread (timing)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -132,7 +135,8 @@ class PackedFp16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out]``."""
         x32 = x.float()
-        ys = _on_threads(lambda part: _fp16_gemm(x32, *part), self._parts)
+        fn = lambda part: _fp16_gemm(x32, *part)
+        ys = [fn(p) for p in self._parts] if self.inline else _on_threads(fn, self._parts)
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y.to(self.out_dtype or x.dtype)
 
@@ -175,6 +179,7 @@ class PackedFp16MLP(nn.Module):
         self.register_buffer("zeros_h", torch.zeros(self.hidden_size), persistent=False)
         self._parts = [(getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), bounds[i + 1] - bounds[i])
                        for i in range(n)]
+        self.inline = False  # True: run the shards one after another on the calling thread (timing)
 
     @staticmethod
     def fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -182,14 +187,15 @@ class PackedFp16MLP(nn.Module):
 
     def _shard(self, x32: torch.Tensor, dtype: torch.dtype, part: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
         gate_up, down, width = part
-        gu = _fp16_gemm(x32, gate_up, self.zeros_gu[: 2 * width]).to(dtype)   # [T, 2w]
-        act = torch.nn.functional.silu(gu[:, :width]) * gu[:, width:]
-        return _fp16_gemm(act.float(), down, self.zeros_h)                   # [T, H] fp32 partial
+        gu = _fp16_gemm(x32, gate_up, self.zeros_gu[: 2 * width])            # [T, 2w] fp32
+        act = fused.silu_mul(gu, width, dtype)                               # rounded to dtype as before, fp32
+        return _fp16_gemm(act, down, self.zeros_h)                           # [T, H] fp32 partial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` in x's dtype."""
         x32 = x.float()
-        partials = _on_threads(lambda part: self._shard(x32, x.dtype, part), self._parts)
+        fn = lambda part: self._shard(x32, x.dtype, part)
+        partials = [fn(p) for p in self._parts] if self.inline else _on_threads(fn, self._parts)
         y = partials[0]
         for partial in partials[1:]:
             y += partial

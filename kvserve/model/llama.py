@@ -18,9 +18,9 @@ batch dimension); attention reads each sequence's context through the paged KV c
 :meth:`LlamaForCausalLM.packed_modules` tells the loader how to concatenate them.
 
 Numerics follow transformers: RMSNorm in float32 then cast back, rope cos/sin computed in float32
-and cast to the model dtype, residual adds in the model dtype. On CPU, half-precision models can
-swap their projections for FBGEMM fp16 GEMMs (:meth:`LlamaForCausalLM.pack_cpu_fp16_gemm`, done by
-the loader by default): same values up to fp32 summation order, several times faster.
+and cast to the model dtype, residual adds in the model dtype. On CPU, half-precision models run
+each projection on the GEMM path measured fastest for this machine and row count
+(:mod:`kvserve.model.gemm_plan`, applied by the loader): same values up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.layer_kv import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention
-from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, pack_linears
-from kvserve.model.rope import RotaryEmbedding, apply_rotary
+from kvserve.model.rope import RotaryEmbedding
+from kvserve.native import fused
 
 
 def qkv_has_bias(config: ModelConfig) -> bool:
@@ -61,9 +61,11 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x.float() * rsqrt(mean(x.float()**2) + eps) in one kernel (bitwise equal in our checks).
-        normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + x), residual + x)`` in one pass (:func:`kvserve.native.fused.add_rms_norm`)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         qk, v = qkv.split([h + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)                               # q and k heads rotated together
+        qk = fused.rotary(qk, cos, sin)                               # q and k heads rotated together
         q, k = qk.split([h, self.num_kv_heads], dim=1)                # [T, H, D], [T, KVH, D]
         if meta.backend is not None:
             o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
@@ -111,9 +113,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                                # [T, 2 * I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)      # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)                                # [T, 2 * I]: gate, up
+        return self.down_proj(fused.silu_mul(gate_up, self.intermediate_size))
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +127,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        normed, h = self.post_attention_layernorm.add_forward(a, h)   # h + a, and its norm, in one pass
+        return h + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -193,18 +195,11 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_fp16_gemm(self) -> int:
         """Run every projection (and the logits) through FBGEMM's fp16-weight GEMM
-        (:mod:`kvserve.model.cpu_gemm`): for bf16/fp16 models on CPUs without native half
-        arithmetic. A tied logits projection gets its own packed copy (the embedding stays for
-        lookups). Returns the number of matrices packed."""
-        count = 0
-        for layer in self.model.layers:
-            mlp = layer.mlp
-            if isinstance(mlp, MLP) and PackedFp16MLP.fits(mlp.gate_up_proj.weight, mlp.down_proj.weight):
-                layer.mlp = PackedFp16MLP(mlp.gate_up_proj.weight, mlp.down_proj.weight)
-                count += 2
-        count += pack_linears(self)
-        emb = self.model.embed_tokens.weight
-        if self.lm_head is None and PackedFp16Linear.fits(emb):
-            self.lm_head = PackedFp16Linear(emb, None, torch.float32)
-            count += 1
-        return count
+        (:mod:`kvserve.model.cpu_gemm`), whatever the machine: the loader instead applies the
+        plan measured for this machine (:mod:`kvserve.model.gemm_plan`). A tied logits projection
+        gets its own packed copy (the embedding stays for lookups). Returns the roles' modules
+        swapped."""
+        from kvserve.model.gemm_apply import apply_plan
+        from kvserve.model.gemm_plan import uniform
+
+        return apply_plan(self, uniform("fbgemm_fp16", "forced"))

@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from kvserve.config import ModelConfig, normalize_dtype
 from kvserve.model.cpu_gemm import fbgemm_fp16_available
+from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding, model_roles
+from kvserve.model.gemm_plan import plan_for
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.memory_release import release_free_memory
 from kvserve.model.registry import get_model_class
+from kvserve.model.safetensors_read import read_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -103,9 +106,7 @@ def weight_files(root: Path) -> list[Path]:
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+        yield from read_tensors(file)
 
 
 def _name_list(names: list[str]) -> str:
@@ -137,9 +138,8 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
         if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
-        # a copy, never a view: safetensors' tensors are views into one mapping of the whole file,
-        # which stays resident (every page read) as long as one of them lives
-        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype, copy=True)))
+        # read into its own buffer (never a view of a mapping of the file: see safetensors_read)
+        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype)))
         parts_left[spec.model_key] -= 1
         if parts_left[spec.model_key] == 0:
             parts = [t for _, t in sorted(pending.pop(spec.model_key), key=lambda p: p[0])]
@@ -179,9 +179,11 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     ``dtype="auto"`` keeps the checkpoint's dtype (``config.json``'s ``dtype``/``torch_dtype``);
     otherwise weights are cast. The returned config's ``dtype`` is the dtype actually loaded.
 
-    ``cpu_fp16_gemm``: run the projections through FBGEMM's fp16-weight GEMM
-    (:mod:`kvserve.model.cpu_gemm`, several times faster than torch's bf16/fp16 matmul on CPUs
-    without native half arithmetic). ``None`` = on for bf16/fp16 weights on CPU when available.
+    ``cpu_fp16_gemm``: ``None`` (default) runs each projection of a CPU model on the GEMM path
+    measured fastest for this machine, per row band (:mod:`kvserve.model.gemm_plan`: torch's
+    native matmul or FBGEMM's fp16-weight GEMM; measured before the weights are read, so its
+    scratch memory is gone before they arrive); ``True`` forces FBGEMM fp16 everywhere, ``False``
+    torch's native matmul.
     """
     root = Path(path)
     config = load_model_config(root, dtype)
@@ -190,21 +192,25 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     with torch.device("meta"):
         model = model_cls(config)
     dev = torch.device(device)
+    if cpu_fp16_gemm and dev.type != "cpu":
+        raise ValueError(f"cpu_fp16_gemm needs device cpu, got {dev}")
+    if cpu_fp16_gemm and not fbgemm_fp16_available():
+        raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
+    plan = None
+    if dev.type == "cpu":
+        forced = {None: None, True: "fbgemm_fp16", False: "native"}[cpu_fp16_gemm]
+        plan = plan_for(model_roles(model), torch_dtype(config.dtype), forced)
+        release_free_memory()
     state = _read_state_dict(model, files, torch_dtype(config.dtype), dev)
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the parameters are these tensors: packing below frees each one as it replaces it
     model.to(dev)  # the rope buffer (built on CPU) follows the weights
     model.eval()
     model.requires_grad_(False)
-    if cpu_fp16_gemm is None:
-        cpu_fp16_gemm = dev.type == "cpu" and config.dtype in ("bfloat16", "float16") and fbgemm_fp16_available()
-    if cpu_fp16_gemm:
-        if dev.type != "cpu":
-            raise ValueError(f"cpu_fp16_gemm needs device cpu, got {dev}")
-        if not fbgemm_fp16_available():
-            raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
-        model.pack_cpu_fp16_gemm()
+    if plan is not None and plan.uses_fbgemm():
+        apply_plan(model, plan)
         _map_embedding(model, files)
+        release_free_memory()
     return model, config
 
 
@@ -214,11 +220,10 @@ def _map_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
     so only the rows requests touch are resident, instead of a second resident copy of the
     vocab x hidden matrix next to the packed one. Left as is when the file stores it in another
     dtype."""
-    from kvserve.model.cpu_gemm import PackedFp16Linear
     from kvserve.model.mapped_tensor import map_tensor
 
     emb = model.model.embed_tokens
-    if model.config.tie_word_embeddings and not isinstance(model.lm_head, PackedFp16Linear):
+    if lm_head_reads_embedding(model):
         return
     mapped = map_tensor(files, "model.embed_tokens.weight", emb.weight.dtype)
     if mapped is not None and mapped.shape == emb.weight.shape:

@@ -23,6 +23,7 @@ from kvserve.planner.capacity import (
 )
 from kvserve.planner.hardware import HardwareSpec, resolve_hardware
 from kvserve.planner.inputs import PlanRequest, Settings, resolve_settings
+from kvserve.planner.kernels import cpu_kernel_rows
 from kvserve.planner.kv_model import KVModel, build_kv_model, fp_window_block_bytes
 from kvserve.planner.loader import load_model
 from kvserve.planner.model_spec import ModelSpec
@@ -43,6 +44,7 @@ class Plan:
     fit: FitCheck
     perf: performance.Perf | None
     notes: tuple[str, ...]
+    kernels: tuple[tuple[str, str, str, str], ...] = ()  # (role, band, choice, source) with --hardware cpu
 
     @property
     def contexts(self) -> list[int]:
@@ -114,6 +116,7 @@ def build_plan(req: PlanRequest) -> Plan:
     perf = None
     if hw is not None:
         perf = performance.Perf(spec, params, kv, hw, s.weight_dtype, weights / params.total, s.tp)
+    kernels = cpu_kernel_rows(spec, s.weight_dtype) if hw is not None and hw.key == "cpu" else ()
     return Plan(
-        req, spec, s, hw, params, kv, ledger, kv_pool, fit, perf, tuple(_notes(spec, s, hw, ledger, fit))
+        req, spec, s, hw, params, kv, ledger, kv_pool, fit, perf, tuple(_notes(spec, s, hw, ledger, fit)), kernels
     )

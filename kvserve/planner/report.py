@@ -166,6 +166,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "decode": {"context": plan.request_context, "rows": _decode_rows(plan)} if plan.perf else None,
         "request": _request(plan),
         "notes": list(plan.notes),
+        "kernels": [dict(zip(("role", "band", "choice", "source"), k)) for k in plan.kernels],
     }
 
 

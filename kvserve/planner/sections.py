@@ -143,6 +143,9 @@ def sections(plan: Plan) -> list[Section]:
             ],
         )
     )
+    if plan.kernels:
+        out.append(Section("Kernels on this CPU (GEMM path per row band)", ("role", "band", "choice", "source"),
+                           [list(k) for k in plan.kernels]))
     if plan.notes:
         out.append(Section("Notes", ("",), [[n] for n in plan.notes]))
     return out

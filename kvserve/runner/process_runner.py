@@ -29,6 +29,7 @@ from kvserve.config import CacheConfig
 from kvserve.contract import RunnerOutput, SchedulerOutput, wire
 from kvserve.kv.layout import KVCapacity
 from kvserve.kv.tiers.stack import TierStack
+from kvserve.native.choices import choices, record
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _child_main(conn: Connection, spec: RunnerSpec) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send_bytes(b"X" + pickle.dumps(f"runner process failed to start: {e!r}"))
         return
-    conn.send_bytes(b"R" + pickle.dumps((runner.kv_bytes, runner.tier_snapshot())))
+    conn.send_bytes(b"R" + pickle.dumps((runner.kv_bytes, runner.tier_snapshot(), choices())))
     while True:
         try:
             msg = conn.recv_bytes()
@@ -119,7 +120,9 @@ class ProcessRunner:
         self._proc.start()
         child.close()
         self.poll_s = poll_s
-        self.kv_bytes, self._snapshot = pickle.loads(self._receive(b"R"))
+        self.kv_bytes, self._snapshot, kernel_choices = pickle.loads(self._receive(b"R"))
+        for choice in kernel_choices:  # the runner process's kernel choices, for this process's /metrics
+            record(choice)
 
     def tier_snapshot(self) -> dict[str, list[tuple[bytes, int]]]:
         """What each local tier held when the child started (its index, rebuilt from disk)."""

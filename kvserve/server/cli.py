@@ -151,6 +151,9 @@ def serve(
         "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens).")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
         "--num-speculative-tokens", help="Most draft tokens verified per step (default 8).")] = None,
+    retune_kernels: Annotated[bool, typer.Option(
+        "--retune-kernels", help="Measure the GEMM paths again instead of using this machine's cached choice "
+        "(also KVSERVE_RETUNE_KERNELS=1).")] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -164,6 +167,8 @@ def serve(
     from kvserve.server.tenants import collect_keys
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if retune_kernels:
+        os.environ["KVSERVE_RETUNE_KERNELS"] = "1"  # read by the loader, here or in a runner process
     keys = collect_keys(api_key or [], api_keys_file, os.environ.get("KVSERVE_API_KEY") or None)
     ecfg = build_engine_config(model, config, dtype=dtype, kv_cache_memory=kv_cache_memory,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,

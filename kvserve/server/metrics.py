@@ -116,6 +116,7 @@ class _EngineCollector(Collector):
         self.snapshot: EngineSnapshot | None = None
 
     def collect(self) -> Iterator[Metric]:
+        yield from kernel_choices(self.model_name)
         snap = self.snapshot
         if snap is None:
             return
@@ -148,6 +149,22 @@ class _EngineCollector(Collector):
                 buckets.append((floatToGoString(bound), cumulative))
             hist.add_metric([self.model_name, tier], buckets, float(stats["load_seconds"]))
         yield hist
+
+
+def kernel_choices(model_name: str) -> Iterator[Metric]:
+    """``kvserve:kernel_choice{role,band,choice,source} 1``: what :mod:`kvserve.native.choices`
+    recorded in this process (the GEMM path per role and row band, the attention backend...)."""
+    from kvserve.native.choices import choices
+
+    got = choices()
+    if not got:
+        return
+    g = GaugeMetricFamily(P + "kernel_choice", "The kernel a role runs in a row band on this machine (always 1); "
+                          "source: measured, cached, default or forced.",
+                          labels=["model_name", "role", "band", "choice", "source"])
+    for c in got:
+        g.add_metric([model_name, c.role, c.band, c.choice, c.source], 1.0)
+    yield g
 
 
 SOURCES = ("pool", "host", "disk", "remote", "computed")

@@ -150,8 +150,16 @@ def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ig
     measured = [20e9, 30e9]
     monkeypatch.setattr(hardware, "measure_bandwidth", lambda: measured.pop(0))
     monkeypatch.setattr(hardware, "measure_matmul_flops", lambda: 1e11)
+    from kvserve.model import gemm_plan
+
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", "fbgemm_fp16_x1"))
+    monkeypatch.setattr(gemm_plan, "measure", lambda roles, paths, dtype, timer=None: {
+        r.role: [{"native": 2.0, "fbgemm_fp16_x1": 1.0}] * 3 for r in roles})
     d = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
     assert d["hardware"]["preset"] == "cpu" and d["hardware"]["bandwidth_bytes_s"] == 20e9
+    assert {(k["role"], k["choice"]) for k in d["kernels"]} >= {("gemm_mlp", "fbgemm_fp16_x1")}
+    assert len(d["kernels"]) == 12 and {k["source"] for k in d["kernels"]} == {"measured"}
+    assert "Kernels on this CPU" in cli("--model", "smollm2-135m", "--hardware", "cpu").out
     assert d["ledger"]["kv_budget_bytes"] > 0
     cached = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
     assert cached["hardware"]["bandwidth_bytes_s"] == 20e9  # from the cache, not measured again

@@ -30,6 +30,19 @@ def test_every_issue_metric_is_exposed_with_the_prefix(live):
     assert "process_resident_memory_bytes" in text
 
 
+def test_kernel_choices_are_exposed_one_series_per_role_and_band(live):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.native.choices import choices
+
+    text = httpx.get(live.url + "/metrics").text
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["kvserve:kernel_choice"]
+    got = {(s.labels["role"], s.labels["band"]): s.labels["choice"] for s in fam.samples}
+    assert {s.value for s in fam.samples} == {1.0}
+    assert got == {(c.role, c.band): c.choice for c in choices()}
+    assert {("gemm_qkv", "rows<=1"), ("gemm_lm_head", "rows>16")} <= set(got)
+
+
 def test_request_metrics_match_what_the_requests_returned(live, client):
     before = live.metrics()
     usages = [client.completions.create(model=MODEL_NAME, prompt=f"metric check {i}", max_tokens=4 + i,

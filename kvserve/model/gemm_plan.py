@@ -1,0 +1,189 @@
+"""Which GEMM path each role of a model runs in each row band, on this machine.
+
+:func:`plan_for` answers, in order:
+
+1. ``KVSERVE_GEMM=<path>`` (or the loader's ``cpu_fp16_gemm=True/False``): that path everywhere
+   (source ``forced``);
+2. models too small to matter (under :data:`TUNE_MIN_ELEMENTS` weight elements, e.g. the tests'
+   tiny models) and fp32 models: a default from the CPU flags, without timing (source ``default``):
+   ``native`` where the CPU multiplies half precision natively (AMX or AVX-512 BF16/FP16), else
+   FBGEMM fp16 (fp32 models: always ``native``, packing would round their weights);
+3. a plan cached in ``<cache dir>/gemm/<key>.json``, keyed by CPU model and flags, torch version,
+   thread count, dtype and the role shapes (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
+   (``--retune-kernels`` on serve/generate) asks for a new measurement;
+4. otherwise the paths are timed (:mod:`kvserve.model.gemm_tune`) and the result cached (source
+   ``measured``).
+
+From timings, each role first takes one path for every band: the one whose worst slowdown against
+each band's fastest is smallest. When another path is at least :data:`SPLIT_MIN_GAIN` faster in
+some band, keeping both copies costs that role's weights once more; such splits are allowed, the
+most gain per extra byte first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
+:data:`EXTRA_BYTES_DEFAULT`: the memory target is weights + KV pool + 300 MiB, most of which the
+runtime itself takes; on the 0.5B shape one copy of the MLPs is 418 MiB, of the logits 260 MiB).
+
+Every decision is recorded in :mod:`kvserve.native.choices` (role ``gemm_<role>``) and logged.
+Invariant: a plan names one path per (role, band), each one of :func:`candidate_paths`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths
+from kvserve.model.gemm_tune import RoleShape, Timer, measure
+from kvserve.native import cache_dir
+from kvserve.native.choices import KernelChoice, record
+
+log = logging.getLogger("kvserve.gemm")
+TUNE_MIN_ELEMENTS = 32 << 20
+EXTRA_BYTES_DEFAULT = 64 << 20
+SPLIT_MIN_GAIN = 1.15
+"""A second copy of a role is only worth its memory when some band runs this much faster on it
+(smaller gains are within the measurement's noise on a shared machine)."""
+HALF_NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """``paths[role]`` = the path of each band (:data:`BANDS` order); ``timings_us[role][band]`` =
+    ``{path: us}`` where measured; ``source`` one of forced, default, cached, measured."""
+
+    paths: dict[str, tuple[str, str, str]]
+    source: str
+    timings_us: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    extra_bytes: int = 0
+
+    def uses_fbgemm(self) -> bool:
+        return any(p != "native" for bands in self.paths.values() for p in bands)
+
+
+def _cpu() -> dict[str, object]:
+    from kvserve.bench.machine import cpu_info
+
+    return cpu_info()
+
+
+def default_path(dtype: torch.dtype) -> str:
+    """Without timings: native where the CPU has half-precision matmul units or FBGEMM is absent,
+    else FBGEMM fp16 (its size-based sharding)."""
+    flags = set(_cpu()["flags"])  # type: ignore[arg-type]
+    if dtype == torch.float32 or flags & set(HALF_NATIVE_FLAGS.get(dtype, ())) or len(candidate_paths()) == 1:
+        return "native"
+    return "fbgemm_fp16"
+
+
+def uniform(path: str, source: str) -> GemmPlan:
+    return GemmPlan({r: (path, path, path) for r in ROLES}, source)
+
+
+def _regret(bands: list[dict[str, float]], path: str) -> float:
+    return max(b[path] / min(b.values()) for b in bands)
+
+
+def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int], extra_budget: int,
+           source: str) -> GemmPlan:
+    """The plan these timings give (see the module doc); ``role_bytes`` = a role's weight bytes in
+    the whole model (one more copy of them is what a second path costs)."""
+    paths: dict[str, tuple[str, str, str]] = {}
+    split: list[tuple[float, int, str, tuple[str, str, str]]] = []
+    for role, bands in timings.items():
+        best = tuple(min(b, key=b.__getitem__) for b in bands)
+        common = [p for p in bands[0] if all(p in b for b in bands)]
+        single = min(common, key=lambda p: _regret(bands, p))
+        paths[role] = (single, single, single)
+        gain = [b[single] / b[p] for b, p in zip(bands, best)]  # >= 1: how much faster each band's best is
+        if len(set(best)) > 1 and max(gain) >= SPLIT_MIN_GAIN:
+            cost = (len(set(best)) - 1) * role_bytes.get(role, 0)
+            split.append((-sum(g - 1 for g in gain) / max(cost, 1), cost, role, best))  # type: ignore[arg-type]
+    extra = 0
+    for _, cost, role, best in sorted(split):  # the most gain per extra byte first
+        if extra + cost <= extra_budget:
+            paths[role], extra = best, extra + cost
+    return GemmPlan(paths, source, timings, extra)
+
+
+def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...]) -> str:
+    cpu = _cpu()
+    text = json.dumps([CACHE_VERSION, cpu["model"], cpu["flags"], torch.__version__, torch.get_num_threads(),
+                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(roles: tuple[RoleShape, ...], dtype: torch.dtype) -> Path:
+    return cache_dir() / "gemm" / f"{_key(roles, dtype, candidate_paths())}.json"
+
+
+def _read_cache(path: Path) -> dict[str, list[dict[str, float]]] | None:
+    try:
+        data = json.loads(path.read_text())
+        timings = data["timings_us"]
+        if set(timings) == set(ROLES) and all(len(b) == len(BANDS) for b in timings.values()):
+            return timings  # type: ignore[no-any-return]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_cache(path: Path, timings: dict[str, list[dict[str, float]]]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"cpu": _cpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                   "timings_us": timings}, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("cannot cache GEMM timings in %s: %s", path, e)
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def plan_for(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | None = None,
+             timer: Timer | None = None) -> GemmPlan:
+    """The plan for a model with these roles in ``dtype`` on this machine (see the module doc);
+    recorded in :mod:`kvserve.native.choices` and logged."""
+    plan = _plan(roles, dtype, forced or os.environ.get("KVSERVE_GEMM") or None, timer)
+    record_plan(plan)
+    return plan
+
+
+def _plan(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | None, timer: Timer | None) -> GemmPlan:
+    paths = candidate_paths()
+    if forced not in (None, "auto"):
+        if forced != "fbgemm_fp16" and forced not in paths:
+            raise ValueError(f"KVSERVE_GEMM={forced}: not a GEMM path here (choose from auto, fbgemm_fp16, "
+                             f"{', '.join(paths)})")
+        return uniform(forced, "forced")  # type: ignore[arg-type]
+    if dtype == torch.float32 or len(paths) == 1 or sum(r.elements * r.count for r in roles) < TUNE_MIN_ELEMENTS:
+        return uniform(default_path(dtype), "default")
+    budget = int(float(os.environ.get("KVSERVE_GEMM_EXTRA_MIB", EXTRA_BYTES_DEFAULT / 2**20)) * 2**20)
+    role_bytes = {r.role: r.elements * r.count * dtype.itemsize for r in roles}
+    path = cache_path(roles, dtype)
+    cached = None if _env_true("KVSERVE_RETUNE_KERNELS") or timer is not None else _read_cache(path)
+    if cached is not None:
+        return decide(cached, role_bytes, budget, "cached")
+    first = default_path(dtype)  # the likely winner first, so the others can stop after one pass
+    order = tuple(sorted(paths, key=lambda p: p != first and not p.startswith(first)))
+    timings = measure(roles, order, dtype, timer)
+    if timer is None:
+        _write_cache(path, timings)
+    return decide(timings, role_bytes, budget, "measured")
+
+
+def record_plan(plan: GemmPlan) -> None:
+    """Record and log every (role, band) choice of ``plan``."""
+    for role, bands in plan.paths.items():
+        for b, (band, path) in enumerate(zip(BANDS, bands)):
+            timings = plan.timings_us.get(role, [{}] * len(BANDS))[b]
+            record(KernelChoice(f"gemm_{role}", band, path, dict(timings), plan.source))
+    summary = "; ".join(f"{r} " + "/".join(bands) for r, bands in plan.paths.items())
+    log.info("GEMM paths (%s, bands %s): %s", plan.source, "/".join(BANDS), summary)

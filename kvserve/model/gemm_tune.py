@@ -1,0 +1,143 @@
+"""Time each GEMM path on a model's matrix shapes, at 1, 16 and 256 rows.
+
+Weights are synthetic (the model's shapes and dtype, a constant value: GEMM time does not depend
+on the values), so a model can be measured before its checkpoint is read and the planner can
+measure a shape it only knows from a config. Per row count the working set is bounded in weight
+elements (:data:`WORKING_SET`): at one and 16 rows, distinct copies of the matrix run in turn
+until they fill the last-level cache (a decode step streams every layer's weights from memory, so
+one matrix timed in a loop would measure the cache instead), and a matrix larger than that is cut
+to its first output rows (GEMM time scales with them); at 256 rows the cut is smaller so one
+timing costs milliseconds. Each path: a warm-up call, then the median of :data:`REPEATS` passes; a
+path whose first pass is more than :data:`ABORT_RATIO` times the best so far is not timed again.
+On this repo's 2-core EPYC the 0.5B shape takes about 2 s; see docs/kernels.md.
+
+Reported figures are microseconds per call on the role's full matrix (a cut matrix's time scaled
+up by the rows cut). Invariant: every path of a role is timed on the same shapes and inputs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model.gemm_paths import BAND_ROWS, build_linear, build_mlp
+
+WORKING_SET = {1: 16 << 20, 16: 16 << 20, 256: 1 << 20}
+"""Weight elements run per timed pass, per measured row count (one row: 32 MiB in bf16, the L3
+of this repo's machine; 16 rows share those matrices)."""
+MAX_COPIES = 64
+REPEATS = 3
+ABORT_RATIO = 3.0
+
+
+@dataclass(frozen=True)
+class RoleShape:
+    """One role's matrices: ``(out, in)`` per matrix (the MLP has two: gate_up ``[2I, H]`` and
+    down ``[H, I]``); ``count`` matrices of this role in the model (layers; 1 for the logits)."""
+
+    role: str
+    shapes: tuple[tuple[int, int], ...]
+    count: int
+
+    @property
+    def elements(self) -> int:
+        return sum(o * i for o, i in self.shapes)
+
+
+def role_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int, vocab: int,
+                layers: int) -> tuple[RoleShape, ...]:
+    """The four roles of a Llama-family decoder."""
+    return (RoleShape("qkv", ((q_size + 2 * kv_size, hidden),), layers),
+            RoleShape("o", ((hidden, q_size),), layers),
+            RoleShape("mlp", ((2 * intermediate, hidden), (hidden, intermediate)), layers),
+            RoleShape("lm_head", ((vocab, hidden),), 1))
+
+
+def _cut(rs: RoleShape, budget: int) -> tuple[tuple[tuple[int, int], ...], int, float]:
+    """The shapes actually timed, how many distinct copies, and full/timed work (the scale-up)."""
+    if rs.elements <= budget:
+        return rs.shapes, max(1, min(MAX_COPIES, budget // rs.elements)), 1.0
+    if rs.role == "mlp":
+        (_, hidden), (_, inter) = rs.shapes
+        width = max(64, budget // (3 * hidden))
+        return ((2 * width, hidden), (hidden, width)), 1, inter / width
+    (out, inp), = rs.shapes
+    rows = max(64, budget // inp)
+    return ((rows, inp),), 1, out / rows
+
+
+def _modules(rs: RoleShape, path: str, weights: list[list[torch.Tensor]]) -> list[torch.nn.Module]:
+    if rs.role == "mlp":
+        return [build_mlp(path, *w) for w in weights]
+    out_dtype = torch.float32 if rs.role == "lm_head" else None
+    return [build_linear(path, w[0], None, out_dtype) for w in weights]
+
+
+def _time_pass(mods: list[torch.nn.Module], x: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    for m in mods:
+        m(x)
+    return (time.perf_counter() - t0) / len(mods)
+
+
+def _time(mods: list[torch.nn.Module], x: torch.Tensor, scale: float, best_us: float | None) -> float:
+    with torch.inference_mode():
+        _time_pass(mods[:1], x)                                   # warm: thread pool, first touch
+        passes = [_time_pass(mods, x)]
+        if best_us is None or passes[0] * 1e6 * scale <= ABORT_RATIO * best_us:
+            passes += [_time_pass(mods, x) for _ in range(REPEATS - 1)]
+    return statistics.median(passes) * 1e6 * scale
+
+
+Timer = Callable[[RoleShape, int, str, torch.dtype], float]
+
+
+def _set_inline(mods: list[torch.nn.Module], inline: bool) -> None:
+    for m in mods:
+        m.inline = inline  # type: ignore[assignment]
+
+
+def time_role(rs: RoleShape, rows: tuple[int, ...], paths: tuple[str, ...],
+              dtype: torch.dtype) -> dict[int, dict[str, float]]:
+    """``{rows: {path: us}}`` for role ``rs``; every row count given must share one working set.
+
+    The weights are built once per path and timed at each row count. ``fbgemm_fp16_x1`` is timed
+    on the ``fbgemm_fp16_xN`` modules with their shards run one after another on the calling
+    thread (the same GEMMs, one packing instead of two; FBGEMM's time per row block is linear)."""
+    shapes, copies, scale = _cut(rs, WORKING_SET[rows[0]])
+    weights = [[torch.full(s, 0.01, dtype=dtype) for s in shapes] for _ in range(copies)]  # values don't matter
+    x = {r: torch.randn(r, shapes[0][1], generator=torch.Generator().manual_seed(0)).to(dtype) for r in rows}
+    sharded = next((p for p in paths if p.startswith("fbgemm_fp16_x") and p != "fbgemm_fp16_x1"), None)
+    out: dict[int, dict[str, float]] = {r: {} for r in rows}
+    built: dict[str, list[torch.nn.Module]] = {}
+    for path in paths:
+        if path == "fbgemm_fp16_x1" and sharded is not None:
+            mods = built.setdefault(sharded, _modules(rs, sharded, weights))
+        else:
+            mods = built.setdefault(path, _modules(rs, path, weights))
+        _set_inline(mods, path == "fbgemm_fp16_x1")
+        for r in rows:
+            best = min(out[r].values()) if out[r] else None
+            out[r][path] = _time(mods, x[r], scale, best)
+        _set_inline(mods, False)
+    return out
+
+
+def measure(roles: tuple[RoleShape, ...], paths: tuple[str, ...], dtype: torch.dtype,
+            timer: Timer | None = None) -> dict[str, list[dict[str, float]]]:
+    """``{role: [ {path: us} for each band ]}``, bands in :data:`~kvserve.model.gemm_paths.BANDS`
+    order. ``timer(role, rows, path, dtype) -> us`` replaces the measurement (tests)."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for rs in roles:
+        if timer is not None:
+            out[rs.role] = [{p: timer(rs, r, p, dtype) for p in paths} for r in BAND_ROWS]
+            continue
+        got: dict[int, dict[str, float]] = {}
+        for group in ((1, 16), (256,)):
+            got.update(time_role(rs, group, paths, dtype))
+        out[rs.role] = [got[r] for r in BAND_ROWS]
+    return out

@@ -1,0 +1,105 @@
+"""Fused small ops of the decoder (RMSNorm, residual add + RMSNorm, rope, SiLU·mul), native or torch.
+
+Each op has a torch reference here (``*_reference``: exactly the ops the model ran before) and a
+C++ kernel (``csrc/fused_ops.cpp``, built on first use by :func:`kvserve.native.load_extension`)
+that rounds to the model dtype at the same points, so both agree to the last bit except where a
+float sum (the RMS) adds in another order. The kernel runs when it loaded (not with
+``KVSERVE_NATIVE=0``, without a compiler or after a failed build), the tensors are on the CPU and
+laid out as it expects, and no gradient is wanted; otherwise the reference runs. The choice is
+recorded once as ``KernelChoice("fused_ops", "all", "native" | "torch")``.
+
+Invariant: every function returns the same shape and dtype either way, and never mutates its inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.native import load_extension, unavailable_reason
+from kvserve.native.choices import KernelChoice, record
+
+_ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.cache
+def _ext() -> ModuleType | None:
+    mod = load_extension("kvserve_fused", ["fused_ops.cpp"])
+    why = unavailable_reason("kvserve_fused")
+    record(KernelChoice("fused_ops", "all", "native" if mod is not None else "torch", {},
+                        "default" if mod is not None else f"fallback: {why}"))
+    return mod
+
+
+def _native(*ts: torch.Tensor) -> ModuleType | None:
+    """The extension, if it may run on these tensors."""
+    if any(t.device.type != "cpu" or t.dtype not in _ROUND_CODE for t in ts):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    return _ext()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x.float()).to(x.dtype)`` over the last dim of ``x [..., n]``."""
+    ext = _native(x, weight)
+    if ext is None or x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype or not weight.is_contiguous():
+        return rms_norm_reference(x, weight, eps)
+    return ext.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = residual + x
+    return rms_norm_reference(h, weight, eps), h
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x) * weight, residual + x)`` for ``[rows, n]`` inputs."""
+    ext = _native(x, residual, weight)
+    if (ext is None or x.dim() != 2 or x.stride(-1) != 1 or not residual.is_contiguous()
+            or residual.shape != x.shape or residual.dtype != x.dtype or weight.dtype != x.dtype):
+        return add_rms_norm_reference(x, residual, weight, eps)
+    out, h = ext.add_rms_norm(x, residual, weight, eps)
+    return out, h
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from kvserve.model.rope import apply_rotary
+
+    return apply_rotary(x, cos, sin)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, d]`` by ``cos/sin [T, d]`` (:func:`kvserve.model.rope.apply_rotary`)."""
+    ext = _native(x, cos, sin)
+    if (ext is None or x.dim() != 3 or x.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.dtype != x.dtype or sin.dtype != x.dtype):
+        return rotary_reference(x, cos, sin)
+    return ext.rotary(x, cos, sin)  # type: ignore[no-any-return]
+
+
+def silu_mul_reference(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = None) -> torch.Tensor:
+    r = round_dtype or gu.dtype
+    g = gu.to(r)
+    return (F.silu(g[:, :width]) * g[:, width:]).to(gu.dtype)
+
+
+def silu_mul(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` over ``gu [rows, 2*width]`` (gate columns first), computed in
+    ``round_dtype`` (default: ``gu``'s; FBGEMM's fp32 output is rounded to the model dtype first,
+    as the unfused shard did) and returned in ``gu``'s dtype."""
+    r = round_dtype or gu.dtype
+    ext = _native(gu)
+    if (ext is None or gu.dim() != 2 or gu.stride(-1) != 1 or r not in _ROUND_CODE
+            or (gu.dtype != r and gu.dtype != torch.float32)):
+        return silu_mul_reference(gu, width, round_dtype)
+    return ext.silu_mul(gu, width, _ROUND_CODE[r])  # type: ignore[no-any-return]

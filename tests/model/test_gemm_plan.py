@@ -1,0 +1,179 @@
+"""GEMM paths chosen per machine and row band: the decision, the cache, forcing, the fallback
+without a fast half path, and the applied model against transformers (timings faked: no test
+depends on this machine's speed)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model import gemm_plan
+from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
+from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
+from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, band_of
+from kvserve.model.gemm_plan import GemmPlan, decide, plan_for, uniform
+from kvserve.model.gemm_tune import RoleShape, role_shapes
+from kvserve.model.loader import load_model
+from kvserve.native import choices
+
+from .helpers import PagedRunner, random_prompt
+
+Checkpoint = Callable[[str], tuple[Path, torch.nn.Module]]
+needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(), reason="no FBGEMM in this torch build")
+BIG = role_shapes(896, 4864, 896, 128, 151936, 24)  # the 0.5B shape: above the tuning threshold
+X = "fbgemm_fp16_x1"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the GEMM cache only: the native build cache stays where it is (a rebuild costs ~50 s)
+    monkeypatch.setattr(gemm_plan, "cache_dir", lambda: tmp_path / "cache")
+    for var in ("KVSERVE_GEMM", "KVSERVE_RETUNE_KERNELS", "KVSERVE_GEMM_EXTRA_MIB"):
+        monkeypatch.delenv(var, raising=False)
+    choices.clear()
+
+
+def fake_timings(per_band: list[dict[str, float]]) -> Callable[..., dict[str, list[dict[str, float]]]]:
+    calls: list[int] = []
+
+    def measure(roles: tuple[RoleShape, ...], paths: tuple[str, ...], dtype: torch.dtype,
+                timer: object = None) -> dict[str, list[dict[str, float]]]:
+        calls.append(1)
+        return {r.role: [{p: b[p] for p in paths if p in b} for b in per_band] for r in roles}
+
+    measure.calls = calls  # type: ignore[attr-defined]
+    return measure
+
+
+def test_agreeing_bands_take_one_path_and_disagreeing_ones_split_within_the_budget() -> None:
+    bands = [{"native": 3.0, X: 1.0}, {"native": 1.0, X: 2.0}, {"native": 1.0, X: 4.0}]
+    same = [{"native": 3.0, X: 1.0}] * 3
+    plan = decide({"qkv": bands, "o": same}, {"qkv": 100, "o": 100}, extra_budget=100, source="measured")
+    assert plan.paths == {"qkv": (X, "native", "native"), "o": (X, X, X)} and plan.extra_bytes == 100
+    # over the budget: one path, the one whose worst slowdown is smallest (native: 3x at one row
+    # against FBGEMM's 4x at many rows)
+    tight = decide({"qkv": bands}, {"qkv": 100}, extra_budget=99, source="measured")
+    assert tight.paths == {"qkv": ("native",) * 3} and tight.extra_bytes == 0
+
+
+def test_cheapest_splits_are_kept_first() -> None:
+    bands = [{"native": 3.0, X: 1.0}, {"native": 1.0, X: 2.0}, {"native": 1.0, X: 2.0}]
+    plan = decide({"qkv": bands, "mlp": bands}, {"qkv": 10, "mlp": 1000}, extra_budget=500, source="measured")
+    # mlp over the budget: one path, FBGEMM (at worst 2x slower) rather than native (3x at one row)
+    assert plan.paths["qkv"] == (X, "native", "native") and plan.paths["mlp"] == (X,) * 3
+
+
+@needs_fbgemm
+def test_measured_once_then_cached_and_retuned_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    measure = fake_timings([{"native": 5.0, X: 1.0, "fbgemm_fp16_x2": 2.0}] * 3)
+    monkeypatch.setattr(gemm_plan, "measure", measure)
+    first = plan_for(BIG, torch.bfloat16)
+    assert first.source == "measured" and first.paths["mlp"] == (X, X, X)
+    assert len(list((gemm_plan.cache_dir() / "gemm").glob("*.json"))) == 1
+    second = plan_for(BIG, torch.bfloat16)
+    assert second.source == "cached" and second.paths == first.paths and len(measure.calls) == 1  # type: ignore[attr-defined]
+    monkeypatch.setenv("KVSERVE_RETUNE_KERNELS", "1")
+    assert plan_for(BIG, torch.bfloat16).source == "measured" and len(measure.calls) == 2  # type: ignore[attr-defined]
+    # another shape is another cache entry
+    monkeypatch.delenv("KVSERVE_RETUNE_KERNELS")
+    plan_for(role_shapes(1024, 4096, 1024, 256, 32000, 16), torch.bfloat16)
+    assert len(measure.calls) == 3  # type: ignore[attr-defined]
+
+
+@needs_fbgemm
+def test_a_corrupt_cache_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    measure = fake_timings([{"native": 1.0, X: 2.0}] * 3)
+    monkeypatch.setattr(gemm_plan, "measure", measure)
+    path = gemm_plan.cache_path(BIG, torch.bfloat16)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert plan_for(BIG, torch.bfloat16).source == "measured"
+    assert set(json.loads(path.read_text())["timings_us"]) == {"qkv", "o", "mlp", "lm_head"}
+
+
+def test_every_choice_is_recorded_with_its_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", X))
+    monkeypatch.setattr(gemm_plan, "measure", fake_timings([{"native": 1.0, X: 2.0}] * 3))
+    plan_for(BIG, torch.bfloat16)
+    got = {(c.role, c.band): c for c in choices.choices()}
+    assert set(got) == {(f"gemm_{r}", b) for r in ("qkv", "o", "mlp", "lm_head") for b in BANDS}
+    c = got[("gemm_mlp", "rows<=16")]
+    assert c.choice == "native" and c.timings_us == {"native": 1.0, X: 2.0} and c.source == "measured"
+
+
+def test_tiny_and_fp32_models_take_the_default_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_plan, "measure", lambda *a, **k: pytest.fail("tiny models are not timed"))
+    tiny = role_shapes(64, 128, 64, 32, 512, 2)
+    assert plan_for(tiny, torch.bfloat16).source == "default"
+    assert plan_for(BIG, torch.float32) == uniform("native", "default")
+    # the default follows the CPU: native where it multiplies bf16 in hardware
+    monkeypatch.setattr(gemm_plan, "_cpu", lambda: {"model": "x", "flags": ["avx512f", "amx_bf16"]})
+    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == ("native",) * 3
+    monkeypatch.setattr(gemm_plan, "_cpu", lambda: {"model": "x", "flags": ["avx2", "fma"]})
+    want = "fbgemm_fp16" if fbgemm_fp16_available() else "native"
+    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == (want,) * 3
+
+
+def test_forcing_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_GEMM", "native")
+    assert plan_for(BIG, torch.bfloat16) == uniform("native", "forced")
+    monkeypatch.setenv("KVSERVE_GEMM", "tensor_cores")
+    with pytest.raises(ValueError, match="not a GEMM path"):
+        plan_for(BIG, torch.bfloat16)
+
+
+def test_without_a_fast_half_path_the_model_loads_native(hf_checkpoint: Checkpoint,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native",))
+    monkeypatch.setattr(gemm_plan, "measure", lambda *a, **k: pytest.fail("nothing to choose between"))
+    model, config = load_model(hf_checkpoint("llama-gqa")[0], dtype="bf16")
+    assert not any(isinstance(m, (PackedFp16Linear, BandDispatch)) for m in model.modules())
+    assert {c.choice for c in choices.choices()} == {"native"}
+    runner = PagedRunner(model, config)
+    prompt = random_prompt(8, config.vocab_size)
+    assert torch.isfinite(runner.prefill(prompt, runner.new_block_table(8))).all()
+
+
+def test_band_of() -> None:
+    assert [band_of(n) for n in (0, 1, 2, 16, 17, 4096)] == [0, 0, 1, 1, 2, 2]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen2-bias-tied"])
+def test_a_split_plan_matches_transformers_in_every_band(case: str, hf_checkpoint: Checkpoint) -> None:
+    """FBGEMM for one row, native for 2-16, sharded FBGEMM above: prefill (20 rows), a batch of
+    4 decodes and single decodes all agree with transformers to bf16 rounding."""
+    path, hf = hf_checkpoint(case)
+    model, config = load_model(path, dtype="bf16", cpu_fp16_gemm=False)
+    split = (X, "native", "fbgemm_fp16_x2")
+    plan = GemmPlan({r: split for r in ("qkv", "o", "mlp", "lm_head")}, "forced")
+    assert apply_plan(model, plan) == 3 * config.num_hidden_layers + 1
+    heads = [m for m in model.modules() if isinstance(m, BandDispatch)]
+    assert len(heads) == 3 * config.num_hidden_layers + 1 and heads[0].names == split
+    if case == "qwen2-bias-tied":  # the native band multiplies by the embedding itself
+        assert lm_head_reads_embedding(model)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    runner = PagedRunner(model, config)
+    prompts = [random_prompt(20, config.vocab_size, seed=s) for s in range(4)]
+    tables = [runner.new_block_table(24) for _ in prompts]
+    for p, t in zip(prompts, tables):
+        ours = runner.prefill(p, t)
+        with torch.no_grad():
+            ref = hf16(torch.tensor([p])).logits[0].float()
+        assert (ours - ref).abs().max().item() <= 0.05 * max(1.0, ref.abs().max().item())
+    batch = runner.step([([p[-1]], 20, t) for p, t in zip(prompts, tables)])       # 4 rows: native band
+    one = runner.step([([prompts[0][-1]], 20, tables[0])])                         # 1 row: FBGEMM band
+    assert torch.allclose(batch[0], one[0], atol=0.05 * max(1.0, one.abs().max().item()))
+
+
+def test_native_linear_is_the_loaded_weight() -> None:
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    lin = NativeLinear(w, None, torch.float32)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert lin.weight is w and lin(x).dtype == torch.float32
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w).float())

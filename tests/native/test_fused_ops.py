@@ -1,0 +1,99 @@
+"""The fused decoder ops equal their unfused torch references, natively and with KVSERVE_NATIVE=0.
+
+In bf16/fp16, rope and the residual sum round exactly as torch does (bit-equal); the RMS and SiLU
+may differ by one unit in the last place (a float sum in another order, another exp). In fp32 no
+rounding step hides a different order or a fused multiply-add: a few units in the last place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.native import choices, fused
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL_ULPS = {torch.bfloat16: 1.0, torch.float16: 1.0, torch.float32: 4.0}
+
+
+@pytest.fixture(scope="module")
+def ext():  # type: ignore[no-untyped-def]
+    mod = fused._ext()
+    if mod is None:
+        pytest.skip(f"fused ops not built here: {native.unavailable_reason('kvserve_fused')}")
+    return mod
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's epsilon at each element's magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    return float(((a.float() - b.float()).abs() / (scale * eps)).max())
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_and_add_rms_norm(ext, dtype: torch.dtype, rows: int) -> None:  # type: ignore[no-untyped-def]
+    x, res = rand(rows, 96, dtype=dtype), rand(rows, 96, dtype=dtype, seed=1)
+    w = (1 + 0.2 * rand(96, dtype=torch.float32, seed=2)).to(dtype)
+    got, ref = fused.rms_norm(x, w, 1e-6), fused.rms_norm_reference(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == ref.shape and ulps(got, ref) <= TOL_ULPS[dtype]
+    (n, h), (n_ref, h_ref) = fused.add_rms_norm(x, res, w, 1e-6), fused.add_rms_norm_reference(x, res, w, 1e-6)
+    assert torch.equal(h, h_ref) and ulps(n, n_ref) <= TOL_ULPS[dtype]
+    assert torch.equal(x, rand(rows, 96, dtype=dtype))  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 33])
+def test_rotary_on_a_strided_view_is_bit_equal(ext, dtype: torch.dtype, t: int) -> None:  # type: ignore[no-untyped-def]
+    qkv = rand(t, 7, 32, dtype=dtype)
+    qk = qkv[:, :5]                                           # the q and k heads of a fused projection
+    ang = torch.arange(t)[:, None].float() * torch.rand(16, generator=torch.Generator().manual_seed(3))
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    got, ref = fused.rotary(qk, cos, sin), fused.rotary_reference(qk, cos, sin)
+    # fp32: a fused multiply-add, and x*cos + rot*sin cancels, so an absolute bound
+    assert torch.equal(got, ref) if dtype != torch.float32 else torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gu_dtype,round_dtype", [(torch.bfloat16, None), (torch.float16, None),
+                                                  (torch.float32, None), (torch.float32, torch.bfloat16),
+                                                  (torch.float32, torch.float16)])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, rows: int) -> None:  # type: ignore[no-untyped-def]
+    gu = 3 * rand(rows, 2 * 80, dtype=gu_dtype)
+    got, ref = fused.silu_mul(gu, 80, round_dtype), fused.silu_mul_reference(gu, 80, round_dtype)
+    assert got.dtype == gu_dtype and got.shape == (rows, 80)
+    assert ulps(got.to(round_dtype or gu_dtype), ref.to(round_dtype or gu_dtype)) <= TOL_ULPS[round_dtype or gu_dtype]
+    if (round_dtype or gu_dtype) != torch.float32:
+        assert (got == ref).float().mean() > 0.98
+
+
+def test_switched_off_every_op_is_its_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native, "_why", {})
+    monkeypatch.setenv("KVSERVE_NATIVE", "0")
+    fused._ext.cache_clear()
+    try:
+        assert fused._ext() is None
+        got = {(c.role, c.band): c for c in choices.choices()}[("fused_ops", "all")]
+        assert got.choice == "torch" and "KVSERVE_NATIVE=0" in got.source
+        x, w = rand(3, 64, dtype=torch.bfloat16), rand(64, dtype=torch.bfloat16, seed=1)
+        assert torch.equal(fused.rms_norm(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5))
+        assert torch.equal(fused.add_rms_norm(x, x, w, 1e-5)[0], fused.add_rms_norm_reference(x, x, w, 1e-5)[0])
+        gu = rand(2, 64, dtype=torch.float32)
+        assert torch.equal(fused.silu_mul(gu, 32, torch.bfloat16), fused.silu_mul_reference(gu, 32, torch.bfloat16))
+    finally:
+        fused._ext.cache_clear()  # the next call finds the real build again (monkeypatch restores it)
+
+
+def test_tensors_that_want_a_gradient_take_the_reference(ext) -> None:  # type: ignore[no-untyped-def]
+    x = rand(2, 32, dtype=torch.float32).requires_grad_()
+    w = torch.ones(32)
+    fused.rms_norm(x, w, 1e-6).sum().backward()
+    assert x.grad is not None
