@@ -28,7 +28,7 @@ from kvserve.config import SESSION_OVERFLOW, EngineConfig, SchedulerConfig, Spec
 from kvserve.contract import SchedulerOutput
 from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.kv.codec_names import parse_kv_codecs
+from kvserve.kv.codec_names import kv_lossy
 from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
@@ -115,7 +115,7 @@ class LLMEngine:
         """The scheduler's settings; drafting is switched off on a lossy KV codec (an int4 key
         group encoded over a rejected draft would keep it: not verified, so not allowed)."""
         sched = self.config.scheduler
-        if sched.speculative.enabled and parse_kv_codecs(self.kv_dtype, self.model_config.dtype).lossy:
+        if sched.speculative.enabled and kv_lossy(self.kv_dtype, self.model_config.dtype):
             log.warning("speculative decoding is off: KV codec %s is lossy (drafts need a float KV pool)",
                         self.kv_dtype)
             return dataclasses.replace(sched, speculative=SpeculativeConfig())
