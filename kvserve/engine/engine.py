@@ -26,7 +26,7 @@ from typing import Any
 
 from kvserve.config import SESSION_OVERFLOW, EngineConfig, SchedulerConfig, SpeculativeConfig, normalize_dtype
 from kvserve.contract import SchedulerOutput
-from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
+from kvserve.engine.memory import calibration_summary, fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.codec_names import kv_lossy
 from kvserve.kv.codec_pairs import CodecPairs
@@ -77,7 +77,13 @@ class LLMEngine:
         dtype = "auto" if config.dtype == "auto" else normalize_dtype(config.dtype)
         self.model_config = load_model_config(config.model, dtype)
         self.tokenizer = load_tokenizer(config.model)
-        self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
+        self.calibration = None  # a per-layer map chosen against kv_quality_budget (docs/kv-quant.md)
+        if config.cache.calibrated:
+            from kvserve.eval.calibrate import resolve_calibration
+
+            self.calibration = resolve_calibration(config, self.model_config, self.tokenizer)
+        self.kv_dtype = (self.calibration.kv_dtype if self.calibration is not None else
+                         resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype))
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
                                                 self.max_model_len, self.device, config.scheduler.max_num_seqs)
@@ -86,6 +92,9 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, sched.max_model_len,
                                                self.model_config.sliding_window, chunk)
         log.info(self.capacity.summary())
+        if self.calibration is not None:
+            log.info(calibration_summary(self.calibration, self.capacity, self.model_config, config.cache,
+                                         self.max_model_len, self.device, sched.max_num_seqs))
         self.codecs = CodecPairs.for_model(self.model_config, self.kv_dtype, config.cache, self.capacity.block_size)
         root = root_key(model_identity(config.model), self.kv_dtype, self.capacity.block_size)
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,

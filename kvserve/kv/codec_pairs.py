@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
-from kvserve.kv.layout import int4_group_size
 from kvserve.kv.codec_names import map_name, parse_layer_codecs
+from kvserve.kv.layout import int4_group_size
 from kvserve.kv.quant import Codec, Fields, FieldSpec, KVCodecSpec, make_codec, parse_kv_codecs
 
 

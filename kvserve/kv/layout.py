@@ -16,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.kv.codec_names import FLOAT_CODECS, is_layer_map, parse_layer_codecs, resolve_kv_dtype, split_kv_dtype
+from kvserve.kv.codec_names import (
+    FLOAT_CODECS,
+    is_layer_map,
+    parse_layer_codecs,
+    resolve_kv_dtype,
+    split_kv_dtype,
+)
 from kvserve.kv.press.window import peak_blocks
 
 __all__ = ["FLOAT_KV_DTYPES", "KV_DTYPES", "resolve_kv_dtype", "split_kv_dtype"]

@@ -25,8 +25,8 @@ import torch
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.contract import RunnerOutput, SampledTokens, ScheduledChunk, SchedulerOutput, TokenLogprobs
-from kvserve.kv.layout import KVCapacity, int4_group_size
 from kvserve.kv.codec_names import parse_layer_codecs
+from kvserve.kv.layout import KVCapacity, int4_group_size
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers.stack import TierStack
 from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
