@@ -27,7 +27,13 @@ from kvserve.eval.calibrate import (
     heldout_sequences,
     resolve_calibration,
 )
-from kvserve.kv.calibration import DEFAULT_BUDGET_KL, Calibration, apply_moves, greedy_moves, parse_quality_budget
+from kvserve.kv.calibration import (
+    DEFAULT_BUDGET_KL,
+    Calibration,
+    apply_moves,
+    greedy_moves,
+    parse_quality_budget,
+)
 from kvserve.kv.codec_names import KVCodecSpec
 from kvserve.kv.layout import side_block_bytes
 from kvserve.model.loader import load_model_config, load_tokenizer
