@@ -169,3 +169,24 @@ def test_block_export_import_round_trips_per_layer_regions() -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="per-layer map"):
         import_block(storage("layers:int8/int8/float32"), payload, 0)
+
+
+def test_a_mixed_map_round_trips_through_the_disk_tier_and_other_maps_never_load_it(tiny3: Path,
+                                                                                    tmp_path: Path) -> None:
+    kv, other = "layers:int8/k:int8,v:int4/float32", "layers:int8/int8/float32"
+    prompt = {"prompt_token_ids": list(range(100, 160))}  # 15 blocks of 4
+
+    def run(llm: LLM) -> tuple[list[int], dict[str, int]]:
+        out = llm.generate(prompt, GREEDY)[0]
+        llm.engine.kv.check()
+        return out.outputs[0].token_ids, out.kv_hit_tokens
+
+    reference = run(make(tiny3, kv, num_blocks=24, kv_cache_memory=None))[0]
+    first = make(tiny3, kv, num_blocks=24, kv_cache_memory=None, kv_disk_dir=tmp_path)
+    run(first)
+    del first
+    second = make(tiny3, kv, num_blocks=24, kv_cache_memory=None, kv_disk_dir=tmp_path)
+    tokens, hits = run(second)
+    assert tokens == reference and hits.get("disk", 0) >= 14 * 4 - 4
+    stranger = make(tiny3, other, num_blocks=24, kv_cache_memory=None, kv_disk_dir=tmp_path)
+    assert run(stranger)[1].get("disk", 0) == 0
