@@ -262,10 +262,28 @@ class CacheConfig:
     kv_quant_min_tokens: int = 0
     kv_quant_group_size: int | None = None
     kv_quant_sink_tokens: int = 4  # DEFAULT_SINK_TOKENS
+    # Precision per layer (kvserve.kv.calibration, docs/kv-quant.md): with kv_cache_dtype "auto",
+    # a budget ("kl=1e-3") or a calibration file makes the engine pick each layer's K and V codec.
+    kv_quality_budget: str | None = None
+    kv_calibration: str | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """True when the engine chooses a per-layer map at start-up (``auto`` + budget or file)."""
+        return self.kv_cache_dtype.strip().lower() == "auto" and (
+            self.kv_quality_budget is not None or self.kv_calibration is not None)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_quality_budget is not None or self.kv_calibration is not None:
+            from kvserve.kv.calibration import parse_quality_budget
+
+            if self.kv_quality_budget is not None:
+                parse_quality_budget(self.kv_quality_budget)
+            if self.kv_cache_dtype.strip().lower() != "auto":
+                raise ValueError(f"kv_quality_budget / kv_calibration choose the codecs per layer, so they need "
+                                 f"kv_cache_dtype='auto', got {self.kv_cache_dtype!r}; drop one of them")
         if self.kv_quant_min_tokens < 0:
             raise ValueError(f"kv_quant_min_tokens must be >= 0, got {self.kv_quant_min_tokens}")
         if self.kv_quant_group_size is not None and (

@@ -26,9 +26,9 @@ from typing import Any
 
 from kvserve.config import SESSION_OVERFLOW, EngineConfig, SchedulerConfig, SpeculativeConfig, normalize_dtype
 from kvserve.contract import SchedulerOutput
-from kvserve.engine.memory import fit_max_model_len, kv_capacity, pick_device
+from kvserve.engine.memory import calibration_summary, fit_max_model_len, kv_capacity, pick_device
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.kv.codec_names import parse_kv_codecs
+from kvserve.kv.codec_names import kv_lossy
 from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
 from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
@@ -77,7 +77,13 @@ class LLMEngine:
         dtype = "auto" if config.dtype == "auto" else normalize_dtype(config.dtype)
         self.model_config = load_model_config(config.model, dtype)
         self.tokenizer = load_tokenizer(config.model)
-        self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype)
+        self.calibration = None  # a per-layer map chosen against kv_quality_budget (docs/kv-quant.md)
+        if config.cache.calibrated:
+            from kvserve.eval.calibrate import resolve_calibration
+
+            self.calibration = resolve_calibration(config, self.model_config, self.tokenizer)
+        self.kv_dtype = (self.calibration.kv_dtype if self.calibration is not None else
+                         resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype))
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
                                                 self.max_model_len, self.device, config.scheduler.max_num_seqs)
@@ -86,6 +92,9 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(self.max_model_len, self.capacity, sched.max_model_len,
                                                self.model_config.sliding_window, chunk)
         log.info(self.capacity.summary())
+        if self.calibration is not None:
+            log.info(calibration_summary(self.calibration, self.capacity, self.model_config, config.cache,
+                                         self.max_model_len, self.device, sched.max_num_seqs))
         self.codecs = CodecPairs.for_model(self.model_config, self.kv_dtype, config.cache, self.capacity.block_size)
         root = root_key(model_identity(config.model), self.kv_dtype, self.capacity.block_size)
         self.kv = KVCacheManager(self.capacity.num_blocks, self.capacity.block_size,
@@ -115,7 +124,7 @@ class LLMEngine:
         """The scheduler's settings; drafting is switched off on a lossy KV codec (an int4 key
         group encoded over a rejected draft would keep it: not verified, so not allowed)."""
         sched = self.config.scheduler
-        if sched.speculative.enabled and parse_kv_codecs(self.kv_dtype, self.model_config.dtype).lossy:
+        if sched.speculative.enabled and kv_lossy(self.kv_dtype, self.model_config.dtype):
             log.warning("speculative decoding is off: KV codec %s is lossy (drafts need a float KV pool)",
                         self.kv_dtype)
             return dataclasses.replace(sched, speculative=SpeculativeConfig())

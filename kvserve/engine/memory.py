@@ -9,6 +9,7 @@ planner uses, so ``kvserve plan --kv-cache-memory X`` predicts exactly what the 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -22,6 +23,9 @@ from kvserve.kv.layout import (
     window_blocks,
 )
 from kvserve.kv.press import peak_blocks
+
+if TYPE_CHECKING:
+    from kvserve.kv.calibration import Calibration
 
 log = logging.getLogger("kvserve")
 
@@ -83,3 +87,15 @@ def fit_max_model_len(max_model_len: int, capacity: KVCapacity, requested: int |
     log.warning("max_model_len lowered from %d (the model's) to %d, what the KV pool holds; raise "
                 "kv_cache_memory to serve longer sequences", max_model_len, pool_tokens)
     return pool_tokens
+
+
+def calibration_summary(cal: Calibration, capacity: KVCapacity, model: ModelConfig, cache: CacheConfig,
+                        max_model_len: int, device: torch.device, max_num_seqs: int = 1) -> str:
+    """The start-up lines of a calibrated per-layer map: each layer's K/V codec and the capacity it
+    buys against the model dtype on every layer, for the same budget."""
+    full = kv_capacity(model, cache, model.dtype, max_model_len, device, max_num_seqs)
+    return (f"KV precision per layer (budget kl={cal.budget_kl:g}, joint KL {cal.joint_kl:.2e} on "
+            f"{cal.text.get('tokens', '?')} held-out tokens; {cal.source}):\n{cal.describe()}\n"
+            f"  {capacity.bytes_per_token} bytes/token vs {full.bytes_per_token} ({model.dtype}): "
+            f"{capacity.num_blocks} blocks = {capacity.token_capacity} tokens vs {full.num_blocks} blocks = "
+            f"{full.token_capacity} tokens ({capacity.token_capacity / max(full.token_capacity, 1):.2f}×)")

@@ -14,14 +14,13 @@ from kvserve.kv.storage import KVStorage
 
 
 def export_block(s: KVStorage, block_id: int) -> BlockPayload:
-    pair = s.pairs[s.block_pair[block_id]]
     shadow = s.window.get(block_id)
     if shadow is not None and shadow.tail and s.fill[block_id] < s.block_size:
         raise BlockNotSealed(f"block {block_id} holds an unfinished int4 key group ({s.fill[block_id]} of "
                              f"{s.block_size} tokens); save it once full or sealed")
     k = [s.k_regions[layer][block_id].contiguous().numpy().tobytes() for layer in range(s.num_layers)]
     v = [s.v_regions[layer][block_id].contiguous().numpy().tobytes() for layer in range(s.num_layers)]
-    return BlockPayload(pair.spec.name, s.block_size, s.kv_heads, s.head_dim, s.fill[block_id], k, v)
+    return BlockPayload(s.codecs.name_of(s.block_pair[block_id]), s.block_size, s.kv_heads, s.head_dim, s.fill[block_id], k, v)
 
 
 def import_block(s: KVStorage, payload: BlockPayload, block_id: int) -> None:
@@ -31,9 +30,9 @@ def import_block(s: KVStorage, payload: BlockPayload, block_id: int) -> None:
         raise ValueError(f"block payload layout {layout} (block size, KV heads, head dim, layers) does not "
                          f"match this pool's {(s.block_size, s.kv_heads, s.head_dim, s.num_layers)}")
     pid = s.pair_for(payload.codec)
-    kb, vb = s.k_regions[0].shape[1], s.v_regions[0].shape[1]
-    if any(len(x) != kb for x in payload.k) or any(len(x) != vb for x in payload.v):
-        raise ValueError(f"block payload regions are not {kb}/{vb} bytes per layer")
+    sizes = [(s.k_regions[layer].shape[1], s.v_regions[layer].shape[1]) for layer in range(s.num_layers)]
+    if [(len(k), len(v)) for k, v in zip(payload.k, payload.v)] != sizes:
+        raise ValueError(f"block payload regions are not this pool's (K, V) bytes per layer {sizes}")
     for layer in range(s.num_layers):
         s.k_regions[layer][block_id] = torch.frombuffer(bytearray(payload.k[layer]), dtype=torch.uint8)
         s.v_regions[layer][block_id] = torch.frombuffer(bytearray(payload.v[layer]), dtype=torch.uint8)

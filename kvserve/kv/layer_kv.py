@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvserve.kv.codec_pairs import field_views
+from kvserve.kv.codec_pairs import CodecPair, field_views
 from kvserve.kv.quant import Fields
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class CodecLayerKV:
         if plan is None:
             raise RuntimeError("KVStorage.begin_step must run before a layer writes")
         for pid, w in plan.writes.items():
-            pair = s.pairs[pid]
+            pair = s.layer_pair(self.layer, pid)
             kw, vw = (k, v) if w.all_rows else (k[w.rows], v[w.rows])
             if pair.joint:  # one encode for K and V together
                 both = pair.k.encode_tokens(torch.cat((kw, vw)))
@@ -124,7 +124,9 @@ class CodecLayerKV:
             shadow[0].index_put_((plan.shadow_slots, plan.shadow_offsets), k[plan.shadow_rows].to(s.dtype))
             shadow[1].index_put_((plan.shadow_slots, plan.shadow_offsets), v[plan.shadow_rows].to(s.dtype))
         for pid, f in plan.finalize:
-            pair = s.pairs[pid]
+            pair = s.layer_pair(self.layer, pid)
+            if not pair.k.grouped:  # a per-layer pool: this layer's keys were written per token
+                continue
             if f.first_rows is not None:
                 rows = f.first_rows[:, None] + torch.arange(s.block_size, device=k.device)
                 x = k[rows]                                             # [m, bs, kvh, d]
@@ -133,6 +135,11 @@ class CodecLayerKV:
                 x = s.shadows[self.layer][0].index_select(0, f.slots)
             put_blocks(s._pair_views(self.layer, pid, "k"), pair.k.encode_blocks(x), f.blocks)
 
+    def pair(self, pid: int) -> CodecPair:
+        """The codec pair this layer uses for blocks written by pair ``pid`` (a per-layer pool's
+        layers differ for pid 0; read ``storage.block_pair`` for a block's pid)."""
+        return self.storage.layer_pair(self.layer, pid)
+
     # -- reading -----------------------------------------------------------------------------
     def decode_blocks(self, ids: torch.Tensor) -> torch.Tensor:
         """Decode blocks ``ids [M]`` from the pool (no shadows): ``[2, M, bs, kvh, d]`` (K, V)."""
@@ -140,9 +147,10 @@ class CodecLayerKV:
         m = ids.numel()
         tail = (s.block_size, s.kv_heads, s.head_dim)
         single = next(iter(s.pairs_used)) if len(s.pairs_used) == 1 else None
-        if s.planes is not None:
-            raw = s.planes[self.layer].index_select(1, ids)              # [2, M, side bytes]: one gather
-            if single is not None and s.pairs[single].joint:
+        plane = s.planes[self.layer] if s.planes is not None else None
+        if plane is not None:
+            raw = plane.index_select(1, ids)                             # [2, M, side bytes]: one gather
+            if single is not None and s.layer_pair(self.layer, single).joint:
                 return self._decode(raw.view(2 * m, -1), single, "k").view(2, m, *tail)
             sides = (raw[0], raw[1])
         else:
@@ -160,7 +168,7 @@ class CodecLayerKV:
         return out
 
     def _decode(self, raw: torch.Tensor, pid: int, side: str) -> torch.Tensor:
-        pair = self.storage.pairs[pid]
+        pair = self.storage.layer_pair(self.layer, pid)
         codec, placed = (pair.k, pair.k_fields) if side == "k" else (pair.v, pair.v_fields)
         return codec.decode(field_views(raw, placed), self.storage.dtype)
 

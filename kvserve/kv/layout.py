@@ -6,7 +6,9 @@ budget is what the engine allocates. Pure Python, no torch.
     bytes/token = 2 (K and V) × layers × kv_heads × (head_dim × element bytes + scale bytes)
 
 Codecs that store scales (fp8, int8, int4) add their per-token, per-KV-head scale overhead, so
-the count equals the storage tensors' size.
+the count equals the storage tensors' size. A per-layer map (``layers:…``,
+:mod:`kvserve.kv.codec_names`) sums each layer's own K and V bytes: a block still spans every
+layer, so the pool counts whole blocks of the summed size.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
-from kvserve.kv.codec_names import FLOAT_CODECS, resolve_kv_dtype, split_kv_dtype
+from kvserve.kv.codec_names import (
+    FLOAT_CODECS,
+    is_layer_map,
+    parse_layer_codecs,
+    resolve_kv_dtype,
+    split_kv_dtype,
+)
 from kvserve.kv.press.window import peak_blocks
 
 __all__ = ["FLOAT_KV_DTYPES", "KV_DTYPES", "resolve_kv_dtype", "split_kv_dtype"]
@@ -88,10 +96,16 @@ def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: 
                    group_size: int | None = None) -> int:
     """Exact bytes one block (``block_size`` tokens, K and V, all layers) costs, padded to a
     multiple of ``block_size`` so that bytes per token is a whole number."""
-    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
-    per_layer = (side_block_bytes(k, "k", block_size, num_kv_heads, head_dim, group_size)
-                 + side_block_bytes(v, "v", block_size, num_kv_heads, head_dim, group_size))
-    return -(-(num_layers * per_layer) // block_size) * block_size
+    total = sum(layer_block_bytes(num_kv_heads, head_dim, kv_dtype, block_size, group_size, num_layers))
+    return -(-total // block_size) * block_size
+
+
+def layer_block_bytes(num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int,
+                      group_size: int | None, num_layers: int) -> list[int]:
+    """Each layer's bytes of one block (its K region + V region), in layer order."""
+    return [side_block_bytes(p.k, "k", block_size, num_kv_heads, head_dim, group_size)
+            + side_block_bytes(p.v, "v", block_size, num_kv_heads, head_dim, group_size)
+            for p in parse_layer_codecs(resolve_kv_dtype(kv_dtype), num_layers=num_layers)]
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str = "bfloat16",
@@ -101,9 +115,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     engine's exact figure for a block size is :func:`kv_block_bytes` ``/ block_size``."""
     if min(num_layers, num_kv_heads, head_dim) <= 0:
         raise ValueError("layers, kv_heads and head_dim must all be > 0")
-    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
-    per_head = side_bytes_per_head(k, "k", head_dim, group_size) + side_bytes_per_head(v, "v", head_dim, group_size)
-    total = num_layers * num_kv_heads * per_head
+    total = num_kv_heads * sum(side_bytes_per_head(p.k, "k", head_dim, group_size)
+                               + side_bytes_per_head(p.v, "v", head_dim, group_size)
+                               for p in parse_layer_codecs(resolve_kv_dtype(kv_dtype), num_layers=num_layers))
     return int(-(-total // 1))
 
 
@@ -234,18 +248,25 @@ def model_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "auto", block_s
 #
 # (3 = the unfinished group's block, the previous block while it is finished, and the sink block).
 
+def _distinct_pairs(kv_dtype: str) -> list[tuple[str, str]]:
+    name = resolve_kv_dtype(kv_dtype)
+    if is_layer_map(name):
+        return sorted({(p.k, p.v) for p in parse_layer_codecs(name)})
+    return [split_kv_dtype(name)]
+
+
 def needs_tail_window(kv_dtype: str, sink_tokens: int = 0) -> bool:
     """True when the codec keeps each sequence's unfinished key group (int4 keys) or its first
-    ``sink_tokens`` tokens (int4 on either side) in full precision."""
-    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
-    return k == "int4" or (sink_tokens > 0 and "int4" in (k, v))
+    ``sink_tokens`` tokens (int4 on either side) in full precision; for a per-layer map, when any
+    layer's pair does (the window then holds every layer of those blocks)."""
+    return any(k == "int4" or (sink_tokens > 0 and "int4" in (k, v)) for k, v in _distinct_pairs(kv_dtype))
 
 
 def window_blocks(kv_dtype: str, block_size: int, max_num_seqs: int, min_tokens: int,
                   sink_tokens: int = 0) -> int:
-    """Blocks of the full-precision window for a pool (0 for float KV). See the formula above."""
-    k, v = split_kv_dtype(resolve_kv_dtype(kv_dtype))
-    if k in FLOAT_KV_DTYPES and v in FLOAT_KV_DTYPES:
+    """Blocks of the full-precision window for a pool (0 for float KV; a per-layer map has one when
+    any layer is lossy). See the formula above."""
+    if all(k in FLOAT_KV_DTYPES and v in FLOAT_KV_DTYPES for k, v in _distinct_pairs(kv_dtype)):
         return 0
     per_seq = -(-min_tokens // block_size) + (3 if needs_tail_window(kv_dtype, sink_tokens) else 0)
     return max_num_seqs * per_seq

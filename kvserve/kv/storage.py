@@ -51,7 +51,7 @@ from typing import Protocol
 import torch
 
 from kvserve.contract.block_ops import BlockOp, CopyBlock, NoTierConfigured
-from kvserve.kv.codec_pairs import CodecPair, CodecPairs, field_views
+from kvserve.kv.codec_pairs import CodecPair, CodecPairs, MapPair, field_views
 from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, put_blocks
 from kvserve.kv.quant import Fields, KVCodecSpec
 from kvserve.kv.shadow_window import ShadowWindow
@@ -76,7 +76,7 @@ class KVStorage:
     :meth:`layers` to the model; attention calls each layer's ``write`` and ``gather_blocks``."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pool: KVCodecSpec, group_size: int, window_blocks: int = 0,
+                 dtype: torch.dtype, pool: KVCodecSpec | tuple[KVCodecSpec, ...], group_size: int, window_blocks: int = 0,
                  min_tokens: int = 0, sink_tokens: int = 0, device: torch.device | str = "cpu") -> None:
         if sink_tokens < 0 or sink_tokens > block_size:
             raise ValueError(f"kv_quant_sink_tokens must be in [0, block_size={block_size}], got {sink_tokens}")
@@ -95,27 +95,35 @@ class KVStorage:
         self.plain_dtype = _plain_dtype(pool_pair)
         self.plain: list[torch.Tensor] | None = None
         # ``planes[layer]`` is ``uint8 [2, num_blocks, side bytes]`` when K and V regions have one
-        # size (one gather reads both); else K and V are two tensors.
-        self.planes: list[torch.Tensor] | None = None
+        # size in that layer (one gather reads both); else None there and K and V are two tensors.
+        self.planes: list[torch.Tensor | None] | None = None
         if self.plain_dtype is not None:   # float pool: the classic layout, shared with attention
             self.plain = [torch.empty((2, *shape), dtype=self.plain_dtype, device=self.device)
                           for _ in range(num_layers)]
             self._bufs = list(self.plain)
             self.planes = [t.view(2, num_blocks, -1).view(torch.uint8) for t in self.plain]
         else:
-            kb, vb = self.codecs.region_bytes
-            if kb == vb:
-                self._bufs = [torch.empty((2, num_blocks, kb), dtype=torch.uint8, device=self.device)
-                              for _ in range(num_layers)]
-                self.planes = list(self._bufs)
-            else:
-                self._bufs = [torch.empty((num_blocks, n), dtype=torch.uint8, device=self.device)
-                              for _ in range(num_layers) for n in (kb, vb)]
-        if self.planes is not None:
+            self._bufs, self.k_regions, self.v_regions = [], [], []
+            planes: list[torch.Tensor | None] = []
+            for layer in range(num_layers):  # a per-layer pool sizes each layer by its own pair
+                kb, vb = self.codecs.regions(layer)
+                if kb == vb:
+                    plane = torch.empty((2, num_blocks, kb), dtype=torch.uint8, device=self.device)
+                    self._bufs.append(plane)
+                    planes.append(plane)
+                    self.k_regions.append(plane[0])
+                    self.v_regions.append(plane[1])
+                else:
+                    k_buf, v_buf = (torch.empty((num_blocks, n), dtype=torch.uint8, device=self.device) for n in (kb, vb))
+                    self._bufs += [k_buf, v_buf]
+                    planes.append(None)
+                    self.k_regions.append(k_buf)
+                    self.v_regions.append(v_buf)
+            self.planes = planes if any(p is not None for p in planes) else None  # type: ignore[assignment]
+        if self.plain is not None:
+            assert self.planes is not None
             self.k_regions = [p[0] for p in self.planes]
             self.v_regions = [p[1] for p in self.planes]
-        else:
-            self.k_regions, self.v_regions = self._bufs[0::2], self._bufs[1::2]
         self.shadows = [torch.empty((2, window_blocks, block_size, kv_heads, head_dim), dtype=dtype,
                                     device=self.device) for _ in range(num_layers)] if window_blocks else []
         # Block state (python lists are the truth; the tensors mirror what reads need).
@@ -136,6 +144,11 @@ class KVStorage:
         self._plain_layers = [PlainLayerKV(t) for t in self.plain] if self.plain is not None else None
 
     # -- codecs ------------------------------------------------------------------------------
+    def layer_pair(self, layer: int, pid: int) -> CodecPair:
+        """The pair that encodes and decodes layer ``layer`` of blocks written by pair ``pid``
+        (differs by layer only for pid 0 of a per-layer pool)."""
+        return self.codecs.layer_pair(layer, pid)
+
     def pair_for(self, spec: str | KVCodecSpec | None) -> int:
         """The codec pair id for a request's ``kv_cache_dtype`` (None = the pool's); see
         :meth:`kvserve.kv.codec_pairs.CodecPairs.pair_for`."""
@@ -202,7 +215,7 @@ class KVStorage:
                         pb.sh_rows.append(first_row + off - lo)
                         pb.sh_slots.append(slot)
                         pb.sh_offs.append(off)
-                if pair.k.grouped and hi == bs:
+                if pair.k_grouped and hi == bs:
                     if slot is None:  # the whole block is in this step's batch
                         d = pb.direct.setdefault(self.block_pair[b], ([], []))
                         d[0].append(b)
@@ -233,12 +246,14 @@ class KVStorage:
             self.block_pair[b] = pid
             self._block_pair_t[b] = pid
 
-    def _shadow_for_block(self, b: int, index: int, lo: int, hi: int, pair: CodecPair, short: bool) -> int | None:
+    def _shadow_for_block(self, b: int, index: int, lo: int, hi: int, pair: CodecPair | MapPair,
+                          short: bool) -> int | None:
         """Give block ``b`` (the ``index``-th of its sequence, written at offsets lo..hi-1) the
-        shadow it needs this step, if any; returns its slot."""
-        tail = pair.k.grouped and hi < self.block_size
+        shadow it needs this step, if any; returns its slot. (A per-layer pool's shadow holds every
+        layer; layers without int4 then read those rows exact too.)"""
+        tail = pair.k_grouped and hi < self.block_size
         sink = pair.sinks and index == 0
-        unseal = pair.k.grouped and lo > 0 and b not in self.shadow_of
+        unseal = pair.k_grouped and lo > 0 and b not in self.shadow_of
         if not (short or tail or sink or unseal):
             return self.shadow_of.get(b)
         if b not in self.shadow_of:
@@ -316,16 +331,18 @@ class KVStorage:
     def _pair_views(self, layer: int, pid: int, side: str) -> Fields:
         key = (layer, pid, side)
         if key not in self._views:
-            pair = self.pairs[pid]
+            pair = self.codecs.layer_pair(layer, pid)
             region = self.k_regions[layer] if side == "k" else self.v_regions[layer]
             self._views[key] = field_views(region, pair.k_fields if side == "k" else pair.v_fields)
         return self._views[key]
 
     def _seal(self, b: int, slot: int) -> None:
         """Encode the int4 keys of partial block ``b`` over its present tokens (from the shadow)."""
-        pair = self.pairs[self.block_pair[b]]
         n = torch.tensor([self.fill[b]], device=self.device)
         for layer in range(self.num_layers):
+            pair = self.codecs.layer_pair(layer, self.block_pair[b])
+            if not pair.k.grouped:  # a per-layer pool's other layers wrote their keys per token
+                continue
             fields = pair.k.encode_blocks(self.shadows[layer][0, slot:slot + 1], n)
             put_blocks(self._pair_views(layer, self.block_pair[b], "k"), fields, torch.tensor([b], device=self.device))
 
@@ -363,9 +380,11 @@ class KVStorage:
         return len(self.shadow_of)
 
 
-def _plain_dtype(pair: CodecPair) -> torch.dtype | None:
+def _plain_dtype(pair: CodecPair | MapPair) -> torch.dtype | None:
     from kvserve.kv.quant import IdentityCodec
 
+    if isinstance(pair, MapPair):
+        return None
     if isinstance(pair.k, IdentityCodec) and isinstance(pair.v, IdentityCodec) and pair.k.dtype == pair.v.dtype:
         return pair.k.dtype
     return None

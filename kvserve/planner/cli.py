@@ -86,6 +86,12 @@ def plan_command(
     kv_dtype: Annotated[
         str | None, Opt(metavar="DTYPE", help="KV dtype: auto, bf16, fp16, fp8, int8, int4")
     ] = None,
+    kv_calibration: Annotated[
+        str | None, Opt(metavar="FILE", help="a per-layer KV calibration file (the engine's --kv-calibration)")
+    ] = None,
+    kv_quality_budget: Annotated[
+        str | None, Opt(metavar="kl=X", help="with --kv-dtype auto: calibrate the checkpoint per layer for this KL")
+    ] = None,
     block_size: Annotated[
         str | None, Opt(metavar="N", help="tokens per KV block (power of two; default 16)")
     ] = None,
@@ -179,6 +185,8 @@ def plan_command(
         tflops=tflops,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        kv_calibration=kv_calibration,
+        kv_quality_budget=kv_quality_budget,
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

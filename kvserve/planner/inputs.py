@@ -50,6 +50,9 @@ class PlanRequest:
     price_cached_input: str | None = None
     price_output: str | None = None
     cached_fraction: str | None = None
+    # precision per layer (kvserve.planner.calibrated): a calibration file, or a budget to calibrate for
+    kv_calibration: str | None = None
+    kv_quality_budget: str | None = None
 
     def with_value(self, key: str, value: str) -> PlanRequest:
         """A copy with one input replaced (``--compare``); ``kv-dtype`` and ``kv_dtype`` both work."""
@@ -138,7 +141,14 @@ def resolve_settings(req: PlanRequest, spec: ModelSpec) -> Settings:
     weight_dtype = resolve_weight_dtype(req.dtype or "auto", spec.dtype)
     sources["dtype"] = "option" if req.dtype else "model"
     float_dtype = weight_dtype if weight_dtype in ("float32", "bfloat16", "float16") else "bfloat16"
-    kv_dtype = resolve_kv_dtype(str(pick("kv_dtype", req.kv_dtype)), float_dtype)
+    if req.kv_calibration is not None or req.kv_quality_budget is not None:
+        from kvserve.planner.calibrated import planned_map
+
+        kv_dtype, sources["kv_dtype"] = planned_map(
+            req.model, spec.num_layers, req.kv_dtype or "auto", calibration=req.kv_calibration,
+            budget=req.kv_quality_budget, block_size=parse_block_size(pick("block_size", req.block_size)))
+    else:
+        kv_dtype = resolve_kv_dtype(str(pick("kv_dtype", req.kv_dtype)), float_dtype)
     max_len_raw = pick("max_model_len", req.max_model_len, spec.max_position_embeddings)
     max_model_len = units.parse_tokens("--max-model-len", str(max_len_raw))
     if sources["max_model_len"].startswith("scenario") and max_model_len > spec.max_position_embeddings:

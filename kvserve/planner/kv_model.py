@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.kv.codec_names import MAP_PREFIX, is_layer_map
 from kvserve.kv.layout import (
     DEFAULT_INT4_GROUP,
     KV_DTYPES,
@@ -110,6 +111,12 @@ def _per_head_text(dtype: str, width: int, group: int = DEFAULT_INT4_GROUP) -> t
     return f"{width} × {elem_text}", width * elem
 
 
+def _map_runs(kv_dtype: str) -> str:
+    """``layers:int8*2/int4`` -> ``2 × int8 + 1 × int4`` (layer order)."""
+    runs = kv_dtype.removeprefix(MAP_PREFIX).split("/")
+    return " + ".join(f"{r.partition('*')[2] or 1} × {r.partition('*')[0]}" for r in runs)
+
+
 def _group_bytes(spec: ModelSpec, layers: int, heads: int, kv_dtype: str, group: int = DEFAULT_INT4_GROUP) -> int:
     if spec.mla is not None:
         return mla_kv_bytes_per_token(layers, spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, kv_dtype)
@@ -127,6 +134,8 @@ def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int 
     counts: dict[int | None, int] = {}
     for w in windows:
         counts[w] = counts.get(w, 0) + 1
+    if is_layer_map(kv_dtype) and (len(counts) > 1 or spec.mla is not None):
+        raise ValueError("a per-layer KV map is planned for models whose layers share one window and no MLA")
     groups = tuple(
         LayerGroup(n, w, _group_bytes(spec, n, heads, kv_dtype, group))
         for w, n in sorted(counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
@@ -145,6 +154,8 @@ def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int 
         )
         if "scales" in head_text:
             formula = f"{spec.num_layers} layers × {head_text} = {per_token:,} B/token (MLA latent)"
+    elif is_layer_map(kv_dtype):
+        formula = f"{heads} KV heads × Σ layers [{_map_runs(kv_dtype)}] (K + V per head) = {per_token:,} B/token"
     else:
         head_text, _ = _per_head_text(kv_dtype, spec.head_dim, group)
         formula = (

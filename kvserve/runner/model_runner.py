@@ -25,8 +25,8 @@ import torch
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.contract import RunnerOutput, SampledTokens, ScheduledChunk, SchedulerOutput, TokenLogprobs
+from kvserve.kv.codec_names import parse_layer_codecs
 from kvserve.kv.layout import KVCapacity, int4_group_size
-from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers.stack import TierStack
 from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
@@ -74,7 +74,7 @@ class ModelRunner:
             num_layers=model_config.num_hidden_layers, num_blocks=capacity.num_blocks,
             block_size=capacity.block_size, kv_heads=model_config.num_key_value_heads,
             head_dim=model_config.head_dim, dtype=torch_dtype(model_config.dtype),
-            pool=parse_kv_codecs(kv_dtype, model_config.dtype),
+            pool=parse_layer_codecs(kv_dtype, model_config.dtype, model_config.num_hidden_layers),
             group_size=int4_group_size(capacity.block_size, cache.kv_quant_group_size),
             window_blocks=capacity.window_blocks, min_tokens=cache.kv_quant_min_tokens,
             sink_tokens=cache.kv_quant_sink_tokens, device=device,

@@ -157,7 +157,8 @@ def _v1_router(state: ServerState, current_tenant: Any) -> APIRouter:
     @router.get("/models", response_model=ModelList, responses=ERRORS)
     async def models(_: str = Depends(current_tenant)) -> dict[str, Any]:
         card = ModelCard(id=state.config.served_model_name, created=state.started, root=state.model_path,
-                         max_model_len=state.max_model_len)
+                         max_model_len=state.max_model_len,
+                         kv_cache_dtype=getattr(state.engine.engine, "kv_dtype", None))
         return ModelList(data=[card]).model_dump()
 
     @router.post("/completions", response_model=None,
@@ -241,7 +242,7 @@ def _add_plain_routes(app: FastAPI, state: ServerState) -> None:
         eng = state.engine.engine
         info = {"model": state.config.served_model_name, "model_path": state.model_path,
                 "block_size": eng.capacity.block_size, "blocks_total": eng.capacity.num_blocks,
-                "kv_bytes_per_token": eng.capacity.bytes_per_token,
+                "kv_bytes_per_token": eng.capacity.bytes_per_token, "kv_cache_dtype": getattr(eng, "kv_dtype", None),
                 "token_capacity": eng.capacity.token_capacity, "max_model_len": state.max_model_len,
                 "interval_s": state.config.sample_interval_s, "alive": state.engine.alive}
         if hasattr(state.engine, "replica_table"):

@@ -26,7 +26,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         kv_disk_size: str | None = None, kv_remote: str | None = None,
                         session_demote_after_s: float | None = None, speculative: str | None = None,
                         num_speculative_tokens: int | None = None,
-                        attention_backend: str | None = None) -> EngineConfig:
+                        attention_backend: str | None = None, kv_quality_budget: str | None = None,
+                        kv_calibration: str | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -54,7 +55,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         ("kv_disk_dir", kv_disk_dir), ("kv_remote", kv_remote),
                         ("session_demote_after_s", session_demote_after_s),
                         ("session_overflow", session_overflow), ("session_retention_s", session_retention_s),
-                        ("max_sessions_per_tenant", max_sessions_per_tenant)):
+                        ("max_sessions_per_tenant", max_sessions_per_tenant),
+                        ("kv_quality_budget", kv_quality_budget), ("kv_calibration", kv_calibration)):
         if value is not None:
             cache_kw[name] = value
     sched_kw: dict[str, Any] = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
@@ -101,6 +103,12 @@ def serve(
     dtype: Annotated[str | None, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")] = None,
     kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype",
                                                        help="KV codec: auto, bf16, fp8, int8, int4 ...")] = None,
+    kv_quality_budget: Annotated[str | None, typer.Option(
+        "--kv-quality-budget", help="With --kv-cache-dtype auto: pick each layer's K/V codec so the KL "
+                                    "stays within this budget, e.g. kl=1e-3 ('default': kl=1e-3).")] = None,
+    kv_calibration: Annotated[str | None, typer.Option(
+        "--kv-calibration", help="A per-layer KV calibration file: read if it exists, else calibrated "
+                                 "and written (docs/kv-quant.md).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option("--kv-cache-memory", help="KV pool size, e.g. 2GiB.")] = None,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
     max_num_seqs: Annotated[int | None, typer.Option("--max-num-seqs")] = None,
@@ -180,7 +188,8 @@ def serve(
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
                                kv_remote=kv_remote, session_demote_after_s=session_demote_after,
                                speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend,
+                               kv_quality_budget=kv_quality_budget, kv_calibration=kv_calibration)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),

@@ -270,6 +270,7 @@ class ModelCard(_Response):
     owned_by: str = "kvserve"
     root: str
     max_model_len: int
+    kv_cache_dtype: str | None = None  # the engine's KV codec: one pair, or a per-layer map ("layers:…")
 
 
 class ModelList(_Response):

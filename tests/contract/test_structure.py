@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "kvserve"
 BOOKKEEPING = ["kvserve.kv.block_pool", "kvserve.kv.manager", "kvserve.kv.hashing", "kvserve.kv.sessions",
                "kvserve.kv.events", "kvserve.kv.eviction", "kvserve.kv.shadow_window", "kvserve.contract",
-               "kvserve.scheduler.scheduler", "kvserve.spec.drafter"]
+               "kvserve.scheduler.scheduler", "kvserve.spec.drafter", "kvserve.kv.calibration", "kvserve.kv.layout",
+               "kvserve.kv.codec_names"]
 
 
 @pytest.mark.parametrize("module", BOOKKEEPING)

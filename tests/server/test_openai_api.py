@@ -23,6 +23,7 @@ def test_models_lists_the_served_name(client, live):
     assert [m.id for m in models.data] == [MODEL_NAME]
     raw = httpx.get(live.v1 + "/models").json()
     assert raw["data"][0]["max_model_len"] == 256
+    assert raw["data"][0]["kv_cache_dtype"] in ("bfloat16", "float32", "float16")  # the engine's KV codec
 
 
 def test_completion_stream_equals_non_stream(client):
