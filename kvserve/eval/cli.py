@@ -124,7 +124,8 @@ def _evict(cfg: EvalConfig, plan: _EvictPlan, context_tokens: int, chunk: int, p
 
     ref = target("auto", engine)
     targets = [ref if c == "auto" else target(c) for c in plan.codecs]
-    doc = curve(ref, seqs, plan.policies, plan.ratios, context_tokens, max(chunk, 8), targets)
+    doc = curve(ref, seqs, plan.policies, plan.ratios, context_tokens, max(chunk, 8), targets,
+                log=lambda s: print(s, file=sys.stderr, flush=True))
     doc["command"] = "kvserve eval kv " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["eval", "kv"] else sys.argv[1:])
     doc["machine"] = _machine()
     if png is not None:

@@ -27,7 +27,8 @@ tokens and a window of ``(1 - r) × context - 4`` tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,8 @@ def _retrieval(rs: RetrievalSet | None, name: str, ratio: float, chunk: int) -> 
 
 
 def curve(ref: Target, sequences: Sequence[list[int]], policies: Sequence[str], ratios: Sequence[float],
-          context: int, chunk: int = 8, targets: Sequence[Target] | None = None) -> dict[str, object]:
+          context: int, chunk: int = 8, targets: Sequence[Target] | None = None,
+          log: Callable[[str], None] = lambda s: None) -> dict[str, object]:
     """The JSON of ``kvserve eval kv --evict``: ``{"full": {...}, "evict": {POLICY: {RATIO: {...}}}}``.
 
     ``ref`` is full-precision KV (the reference of every KL and ΔPPL); ``targets`` (default
@@ -183,7 +185,12 @@ def curve(ref: Target, sequences: Sequence[list[int]], policies: Sequence[str], 
         if suffix:
             doc["codecs"][t.codec] = row(t, "none", 0.0)  # type: ignore[index]
         for name in policies:
-            doc["evict"][name + suffix] = {f"{r:g}": row(t, name, r) for r in ratios}  # type: ignore[index]
+            rows: dict[str, object] = {}
+            for r in ratios:
+                t0 = time.monotonic()
+                rows[f"{r:g}"] = row(t, name, r)
+                log(f"{name}{suffix} {r:g}: {rows[f'{r:g}']} ({time.monotonic() - t0:.0f} s)")
+            doc["evict"][name + suffix] = rows  # type: ignore[index]
     return doc
 
 

@@ -67,14 +67,20 @@ def measure(model_dir: Path, examples: Sequence[rt.Example], ratios: Sequence[fl
             observe: int = 16, sinks: int = 4, recent: int = 16) -> dict[str, object]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    # eager returns attention weights (for the scores); sdpa honours a boolean 4-D mask (eager
+    # would add it to the logits as 0/1, masking nothing)
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     context = len(examples[0].prompt) - 1
     rows: dict[str, dict[str, float]] = {}
     hits: dict[tuple[float, str], int] = {}
     for i in range(0, len(examples), 8):
         part = examples[i:i + 8]
         ids = torch.tensor([ex.prompt for ex in part])
-        scores = token_scores(model, ids, context, observe)
+        scores = token_scores(eager, ids, context, observe)
+        for j, ex in enumerate(part):  # the floor: only the sinks and the recent tokens kept
+            floor = keep_mask(scores[j], sinks + recent, sinks, recent, None)
+            hits[(1.0, "floor")] = hits.get((1.0, "floor"), 0) + int(answer(model, ids[j:j + 1], context, floor) == ex.answer)
         for ratio in ratios:
             budget = (round((1 - ratio) * context) // block_size) * block_size
             for gran, bs in (("token", None), ("block", block_size)):
@@ -85,7 +91,9 @@ def measure(model_dir: Path, examples: Sequence[rt.Example], ratios: Sequence[fl
     for ratio in ratios:
         rows[f"{ratio:g}"] = {g: round(hits[(ratio, g)] / len(examples), 4) for g in ("token", "block")}
     return {"criterion": f"snapkv (observe {observe}, sinks {sinks}, recent {recent}), question-agnostic",
-            "block_size": block_size, "examples": len(examples), "retrieval_accuracy": rows}
+            "block_size": block_size, "examples": len(examples), "retrieval_accuracy": rows,
+            "only_sinks_and_recent_kept": round(hits[(1.0, "floor")] / len(examples), 4),
+            "chance": rt.CHANCE}
 
 
 def main(argv: list[str] | None = None) -> int:
