@@ -358,6 +358,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: str = "inline"  # "inline": this process; "process": a child process (kvserve.runner.process_runner)
+    tensor_parallel_size: int = 1  # > 1: the model split over that many worker processes (kvserve.parallel)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_KINDS:
@@ -368,3 +369,5 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -25,7 +25,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
                         kv_disk_size: str | None = None, kv_remote: str | None = None,
                         session_demote_after_s: float | None = None, speculative: str | None = None,
-                        num_speculative_tokens: int | None = None) -> EngineConfig:
+                        num_speculative_tokens: int | None = None,
+                        tensor_parallel_size: int | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -71,6 +72,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
         top_kw["device"] = device
     if runner is not None:
         top_kw["runner"] = runner
+    if tensor_parallel_size is not None:
+        top_kw["tensor_parallel_size"] = tensor_parallel_size
     return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),
                                scheduler=dataclasses.replace(base.scheduler, **sched_kw), **top_kw)
 
@@ -142,6 +145,8 @@ def serve(
         "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
     replica_restarts: Annotated[int, typer.Option(
         "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", help="Split the model over T worker processes (heads, KV heads, MLP).")] = None,
     speculative: Annotated[str | None, typer.Option(
         "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens).")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
@@ -169,7 +174,8 @@ def serve(
                                max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
                                kv_remote=kv_remote, session_demote_after_s=session_demote_after,
-                               speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                               speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                               tensor_parallel_size=tensor_parallel_size)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
@@ -177,6 +183,8 @@ def serve(
                         prices=Prices(price_input, price_cached_input, price_output, price_cache_write))
     if prefill_replicas or decode_replicas:
         replicas = prefill_replicas + decode_replicas
+    if (replicas > 1 or ray_address is not None) and ecfg.tensor_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size > 1 with --replicas (Ray) is not supported yet")
     if replicas > 1 or ray_address is not None:
         from kvserve.cluster.launch import ClusterConfig, launch_replica_set
         from kvserve.cluster.router import RouterConfig
