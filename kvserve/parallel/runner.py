@@ -55,6 +55,7 @@ class TensorParallelRunner(ProcessRunner):
             self.worker_kv_bytes = [self.kv_bytes] + [self._peer_started(r) for r in range(1, len(specs))]
         except BaseException:
             self._kill_all()
+            shutil.rmtree(self._store, ignore_errors=True)
             raise
         self._started = True
 
