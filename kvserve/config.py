@@ -377,6 +377,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: str = "inline"  # "inline": this process; "process": a child process (kvserve.runner.process_runner)
     attention_backend: str = "auto"  # "auto" (measured, cached), "torch_sdpa" or "native" (kvserve.model.attention_choice)
+    tensor_parallel_size: int = 1  # > 1: the model split over that many worker processes (kvserve.parallel)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_KINDS:
@@ -389,3 +390,5 @@ class EngineConfig:
             raise ValueError(f"num_threads must be > 0, got {self.num_threads}")
         if self.attention_backend not in ("auto", "torch_sdpa", "native"):
             raise ValueError(f"attention_backend must be auto, torch_sdpa or native, got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

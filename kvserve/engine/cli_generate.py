@@ -40,6 +40,8 @@ def generate(
     verbose: Annotated[bool, typer.Option("--verbose/--quiet", help="Log the KV allocation.")] = True,
     retune_kernels: Annotated[bool, typer.Option(
         "--retune-kernels", help="Measure the GEMM paths again (also KVSERVE_RETUNE_KERNELS=1).")] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", help="Split the model over T worker processes.")] = 1,
 ) -> None:
     """Complete one prompt and print the text."""
     from kvserve.engine.llm import LLM
@@ -50,8 +52,10 @@ def generate(
         os.environ["KVSERVE_RETUNE_KERNELS"] = "1"
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
-    llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
+    llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
+              tensor_parallel_size=tensor_parallel_size)
     out = llm.generate([prompt], params)[0]
+    llm.shutdown()
     for c in out.outputs:
         if n > 1:
             typer.echo(f"--- sample {c.index} ({c.finish_reason}) ---")

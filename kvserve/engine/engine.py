@@ -38,8 +38,9 @@ from kvserve.kv.press import PressSpec, parse_press
 from kvserve.kv.session_store import attach_session_stores
 from kvserve.kv.sessions import Session
 from kvserve.model.loader import load_model_config, load_tokenizer
+from kvserve.parallel import worker_config
 from kvserve.request import Request, RequestOutput, RequestStatus
-from kvserve.runner.process_runner import ProcessRunner, RunnerSpec, build_inline_runner
+from kvserve.runner.process_runner import RunnerSpec, make_runner
 from kvserve.runner.protocol import Runner
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -85,7 +86,9 @@ class LLMEngine:
         self.kv_dtype = (self.calibration.kv_dtype if self.calibration is not None else
                          resolve_kv_dtype(config.cache.kv_cache_dtype, self.model_config.dtype))
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        self.capacity: KVCapacity = kv_capacity(self.model_config, config.cache, self.kv_dtype,
+        # one worker's share under tensor parallelism (kvserve.parallel): its heads, its budget
+        worker_model, worker_cache = worker_config(self.model_config, config, self.device.type)
+        self.capacity: KVCapacity = kv_capacity(worker_model, worker_cache, self.kv_dtype,
                                                 self.max_model_len, self.device, config.scheduler.max_num_seqs)
         sched = config.scheduler
         chunk = sched.max_num_batched_tokens if sched.enable_chunked_prefill else self.max_model_len
@@ -108,8 +111,9 @@ class LLMEngine:
                                  sliding_window=self.model_config.sliding_window)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
-                          config.num_threads, config.seed, root, config.attention_backend)
-        self.runner: Runner = ProcessRunner(spec) if config.runner == "process" else build_inline_runner(spec)
+                          config.num_threads, config.seed, root, config.attention_backend,
+                          config.tensor_parallel_size)
+        self.runner: Runner = make_runner(spec, config.runner)
         self.kv.tiers.index.load_snapshot(self.runner.tier_snapshot())  # e.g. the disk tier after a restart
         restored = attach_session_stores(self.kv.sessions, config.cache)
         if restored:

@@ -76,6 +76,7 @@ class LLM:
         num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens,
         speculative_max_num_seqs: int = SpeculativeConfig.max_num_seqs,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -109,7 +110,8 @@ class LLM:
                                                               max_num_seqs=speculative_max_num_seqs))
         config = EngineConfig(model=resolve_model_path(model), dtype=dtype, device=device, seed=seed,
                               num_threads=num_threads, cache=cache, scheduler=sched, runner=runner,
-                              attention_backend=attention_backend)
+                              attention_backend=attention_backend,
+                              tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(config)
         self._transcripts: dict[str, ChatTranscript] = {}
         self.last_output: RequestOutput | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +115,11 @@ def _name_list(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype,
-                     device: torch.device) -> dict[str, torch.Tensor]:
-    """Read, cast, fuse. Fused parameters are assembled as soon as all their parts arrived."""
+def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
+                     tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """Read, cast, fuse. Fused parameters are assembled as soon as all their parts arrived.
+    ``tensors``: the checkpoint's tensors as read (default: all of ``files``; a tensor-parallel
+    rank passes its slices, :mod:`kvserve.parallel.load`)."""
     layout = checkpoint_layout(model)
     parts_left: dict[str, int] = {}
     for entry in layout.values():
@@ -126,7 +128,7 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     seen: set[str] = set()
-    for name, tensor in _iter_tensors(files):
+    for name, tensor in _iter_tensors(files) if tensors is None else tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:

@@ -12,8 +12,10 @@ itself, so the planner's pool sizes equal the engine's. Under tensor parallelism
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from kvserve.config import ModelConfig
 from kvserve.kv.codec_names import MAP_PREFIX, is_layer_map
 from kvserve.kv.layout import (
     DEFAULT_INT4_GROUP,
@@ -97,6 +99,12 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
     raise ValueError(f"--tp {tp} must divide num_key_value_heads ({kv}) or be a multiple of it")
 
 
+def _worker(config: ModelConfig, tp: int) -> ModelConfig:
+    """The model config one tensor-parallel worker runs (``kv_heads / tp`` KV heads)."""
+    return config if tp == 1 else dataclasses.replace(config, num_key_value_heads=config.num_key_value_heads // tp,
+                                                      num_attention_heads=config.num_attention_heads // tp)
+
+
 def _per_head_text(dtype: str, width: int, group: int = DEFAULT_INT4_GROUP) -> tuple[str, float]:
     k, v = split_kv_dtype(dtype)
     if k != v:  # different key and value codecs: the average of the two per-head costs
@@ -140,8 +148,9 @@ def build_kv_model(spec: ModelSpec, kv_dtype: str, tp: int = 1, window_cap: int 
         LayerGroup(n, w, _group_bytes(spec, n, heads, kv_dtype, group))
         for w, n in sorted(counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
     )
-    if spec.engine_config is not None and tp == 1:
-        per_token = model_kv_bytes_per_token(spec.engine_config, kv_dtype, block_size)  # the engine's own figure
+    if spec.engine_config is not None and spec.num_kv_heads % tp == 0:
+        # the engine's own figure, for one worker's shard under tensor parallelism (kvserve.parallel)
+        per_token = model_kv_bytes_per_token(_worker(spec.engine_config, tp), kv_dtype, block_size)
     else:
         per_token = _group_bytes(spec, spec.num_layers, heads, kv_dtype, group)
     if spec.mla is not None:

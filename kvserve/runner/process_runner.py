@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -46,6 +48,11 @@ class RunnerSpec:
     seed: int = 0
     root_key: bytes = b""  # the engine's block root (kvserve.kv.hashing): tier objects carry it
     attention_backend: str = "auto"  # kvserve.model.attention_choice.select_backend
+    # Tensor parallel (kvserve.parallel): this worker's rank of ``tensor_parallel_size``, and the
+    # torch.distributed rendezvous (a file store URL). ``capacity`` is then one worker's pool.
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    dist_init: str = ""
 
 
 def build_tiers(spec: RunnerSpec) -> TierStack:
@@ -71,6 +78,10 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
     from kvserve.model.loader import load_model
     from kvserve.runner.model_runner import ModelRunner
 
+    if spec.tensor_parallel_size > 1:
+        from kvserve.parallel.worker import build_rank_runner
+
+        return build_rank_runner(spec)
     device = torch.device(spec.device)
     if device.type == "cpu":
         set_cpu_threads(spec.num_threads)
@@ -78,6 +89,16 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
     return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
                        tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None,
                        attention_backend=spec.attention_backend)
+
+
+def make_runner(spec: RunnerSpec, kind: str) -> Any:
+    """The engine's runner: T worker processes for ``spec.tensor_parallel_size`` T > 1 (whatever
+    ``kind`` says), else a child process (``kind="process"``) or this process (``"inline"``)."""
+    if spec.tensor_parallel_size > 1:
+        from kvserve.parallel.runner import TensorParallelRunner
+
+        return TensorParallelRunner(spec)
+    return ProcessRunner(spec) if kind == "process" else build_inline_runner(spec)
 
 
 def _child_main(conn: Connection, spec: RunnerSpec) -> None:
@@ -105,6 +126,17 @@ def _child_main(conn: Connection, spec: RunnerSpec) -> None:
             conn.send_bytes(b"X" + pickle.dumps(f"{e!r}"))
 
 
+def spawn(target: Callable[[Connection, RunnerSpec], None], spec: RunnerSpec,
+          name: str) -> tuple[Connection, BaseProcess]:
+    """Start ``target(conn, spec)`` in a spawned daemon process; returns the parent's end and it."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, spec), name=name, daemon=True)
+    proc.start()
+    child.close()
+    return conn, proc
+
+
 class RunnerProcessError(RuntimeError):
     """The runner process failed in a way no single request explains, or died."""
 
@@ -114,12 +146,8 @@ class ProcessRunner:
     ``kv_bytes``, ``shutdown``), served by a child process."""
 
     def __init__(self, spec: RunnerSpec, poll_s: float = 0.5) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, spec), name="kvserve-runner", daemon=True)
-        self._proc.start()
-        child.close()
         self.poll_s = poll_s
+        self._conn, self._proc = spawn(_child_main, spec, "kvserve-runner")
         self.kv_bytes, self._snapshot, kernel_choices = pickle.loads(self._receive(b"R"))
         for choice in kernel_choices:  # the runner process's kernel choices, for this process's /metrics
             record(choice)
@@ -130,8 +158,7 @@ class ProcessRunner:
 
     def _receive(self, want: bytes) -> bytes:
         while not self._conn.poll(self.poll_s):
-            if not self._proc.is_alive():
-                raise self._died()
+            self._watch()
         try:
             msg = self._conn.recv_bytes()
         except (EOFError, OSError):
@@ -143,18 +170,25 @@ class ProcessRunner:
             raise RunnerProcessError(f"unexpected reply {tag!r} from the runner process")
         return body
 
+    def _watch(self) -> None:
+        """Called every ``poll_s`` while a reply is awaited: raise if the child died."""
+        if not self._proc.is_alive():
+            raise self._died()
+
     def _died(self) -> RunnerProcessError:
         self._proc.join(1.0)
         return RunnerProcessError(f"the runner process died (exit code {self._proc.exitcode})")
 
     def _call(self, tag: bytes, out: SchedulerOutput, want: bytes) -> bytes:
-        if not self._proc.is_alive():
-            raise self._died()
+        self._watch()
+        self._send(self._conn, tag + wire.encode(out))
+        return self._receive(want)
+
+    def _send(self, conn: Connection, msg: bytes) -> None:
         try:
-            self._conn.send_bytes(tag + wire.encode(out))
+            conn.send_bytes(msg)
         except OSError:
             raise self._died() from None
-        return self._receive(want)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return wire.decode(self._call(b"E", out, b"R"), RunnerOutput)

@@ -27,7 +27,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         session_demote_after_s: float | None = None, speculative: str | None = None,
                         num_speculative_tokens: int | None = None,
                         attention_backend: str | None = None, kv_quality_budget: str | None = None,
-                        kv_calibration: str | None = None) -> EngineConfig:
+                        kv_calibration: str | None = None,
+                        tensor_parallel_size: int | None = None) -> EngineConfig:
     """The engine config from ``--config FILE`` (what ``kvserve plan --write-config`` writes) or
     defaults, with every flag given on the command line taking precedence."""
     from kvserve.config_file import read_config_file
@@ -76,6 +77,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
         top_kw["runner"] = runner
     if attention_backend is not None:
         top_kw["attention_backend"] = attention_backend
+    if tensor_parallel_size is not None:
+        top_kw["tensor_parallel_size"] = tensor_parallel_size
     return dataclasses.replace(base, cache=dataclasses.replace(cache, **cache_kw),
                                scheduler=dataclasses.replace(base.scheduler, **sched_kw), **top_kw)
 
@@ -155,6 +158,8 @@ def serve(
         "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
     replica_restarts: Annotated[int, typer.Option(
         "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", help="Split the model over T worker processes (heads, KV heads, MLP).")] = None,
     speculative: Annotated[str | None, typer.Option(
         "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens).")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
@@ -189,7 +194,8 @@ def serve(
                                kv_remote=kv_remote, session_demote_after_s=session_demote_after,
                                speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                attention_backend=attention_backend,
-                               kv_quality_budget=kv_quality_budget, kv_calibration=kv_calibration)
+                               kv_quality_budget=kv_quality_budget, kv_calibration=kv_calibration,
+                               tensor_parallel_size=tensor_parallel_size)
     scfg = ServerConfig(host=host, port=port, api_keys=keys, share_prefix_cache_across_tenants=share_prefix_cache,
                         served_model_name=served_model_name or Path(ecfg.model).name,
                         max_waiting=max_waiting or None, max_n=max_n, max_body_bytes=parse_size(max_body_size),
@@ -197,6 +203,8 @@ def serve(
                         prices=Prices(price_input, price_cached_input, price_output, price_cache_write))
     if prefill_replicas or decode_replicas:
         replicas = prefill_replicas + decode_replicas
+    if (replicas > 1 or ray_address is not None) and ecfg.tensor_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size > 1 with --replicas (Ray) is not supported yet")
     if replicas > 1 or ray_address is not None:
         from kvserve.cluster.launch import ClusterConfig, launch_replica_set
         from kvserve.cluster.router import RouterConfig
