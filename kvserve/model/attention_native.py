@@ -125,7 +125,7 @@ def _codec_source(cache: CodecLayerKV) -> KVSource | None:
     s = cache.storage
     if len(s.pairs_used) != 1 or s.device.type != "cpu":
         return None
-    pair = s.pairs[next(iter(s.pairs_used))]
+    pair = cache.pair(next(iter(s.pairs_used)))  # this layer's pair (a per-layer map's differ)
     kr, vr = s.k_regions[cache.layer], s.v_regions[cache.layer]
     if kr.stride(1) != 1 or vr.stride(1) != 1:
         return None

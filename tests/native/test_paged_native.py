@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvserve.kv.codec_names import parse_layer_codecs
 from kvserve.kv.layer_kv import as_layer_kv
 from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
@@ -131,7 +132,7 @@ def storage(pool: str, dtype: torch.dtype, kvh: int, window_blocks: int = 0, min
                      group_size=BS, window_blocks=window_blocks, min_tokens=min_tokens, sink_tokens=sinks)
 
 
-def drive(s: KVStorage, specs, heads, window, seed=0, codecs=None):
+def drive(s: KVStorage, specs, heads, window, seed=0, codecs=None, layer_index=0):
     """Write each sequence's context in one earlier step, then run the test step through the
     native backend; returns (native out, torch-path out on the same cache, references, qsl)."""
     g = torch.Generator().manual_seed(seed)
@@ -154,10 +155,10 @@ def drive(s: KVStorage, specs, heads, window, seed=0, codecs=None):
         k = torch.cat([hist[i][0][:d] for i, d in rows])
         v = torch.cat([hist[i][1][:d] for i, d in rows])
         first_slots = torch.tensor([int(tables[i][p // BS]) * BS + p % BS for i, d in rows for p in range(d)])
-        s.layers()[0].write(k, v, first_slots)
+        s.layers()[layer_index].write(k, v, first_slots)
         s.end_step()
     step([(d, d + n) for d, n in specs])
-    layer = s.layers()[0]
+    layer = s.layers()[layer_index]
     qsl = [0]
     for _, n in specs:
         qsl.append(qsl[-1] + n)
@@ -194,6 +195,19 @@ def test_codec_pool_matches_reference_and_torch_path(pool, dtype, heads, kvh, wi
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=tol, rtol=tol, msg=f"sequence {i}")
     torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_a_per_layer_map_is_read_with_each_layers_own_codecs(layer_index):
+    """A ``layers:`` pool (kvserve.kv.codec_names): pair 0 is the whole map, so the kernel must
+    read each layer's fields with that layer's pair (int8 on layer 0, fp8 K + int8 V on 1)."""
+    s = KVStorage(num_layers=2, num_blocks=NB, block_size=BS, kv_heads=2, head_dim=D, dtype=torch.float32,
+                  pool=parse_layer_codecs("layers:int8/k:fp8,v:int8", "float32", 2), group_size=BS)
+    out, torch_out, refs, qsl, src = drive(s, CODEC_SPECS, 4, None, layer_index=layer_index)
+    assert src is not None, "the kernel must read this pool itself"
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], ref, atol=1e-4, rtol=1e-4, msg=f"sequence {i}")
+    torch.testing.assert_close(out, torch_out, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("pool", ["int8", "fp8", "int4"])
