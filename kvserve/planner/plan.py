@@ -116,7 +116,7 @@ def build_plan(req: PlanRequest) -> Plan:
     perf = None
     if hw is not None:
         perf = performance.Perf(spec, params, kv, hw, s.weight_dtype, weights / params.total, s.tp)
-    kernels = cpu_kernel_rows(spec, s.weight_dtype) if hw is not None and hw.key == "cpu" else ()
+    kernels = cpu_kernel_rows(spec, s.weight_dtype, s.block_size) if hw is not None and hw.key == "cpu" else ()
     return Plan(
         req, spec, s, hw, params, kv, ledger, kv_pool, fit, perf, tuple(_notes(spec, s, hw, ledger, fit)), kernels
     )

@@ -144,7 +144,7 @@ def test_check_exit_code(cli) -> None:  # type: ignore[no-untyped-def]
     assert json.loads(bad.out)["fit"]["shortfall_bytes"] == 4 * 2**30
 
 
-def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from kvserve.planner import hardware
 
     measured = [20e9, 30e9]
@@ -155,10 +155,19 @@ def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ig
     monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", "fbgemm_fp16_x1"))
     monkeypatch.setattr(gemm_plan, "measure", lambda roles, paths, dtype, timer=None: {
         r.role: [{"native": 2.0, "fbgemm_fp16_x1": 1.0}] * 3 for r in roles})
+    from kvserve.model import attention_choice
+
+    monkeypatch.setattr(attention_choice.attention_native, "native_module", lambda: object())
+    monkeypatch.setattr(attention_choice.native, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(attention_choice, "measure", lambda *a, **k: {
+        role: {"torch_sdpa": 1.0 if "q>" in role else 3.0, "native": 2.0} for role in attention_choice.ROLES})
     d = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
     assert d["hardware"]["preset"] == "cpu" and d["hardware"]["bandwidth_bytes_s"] == 20e9
     assert {(k["role"], k["choice"]) for k in d["kernels"]} >= {("gemm_mlp", "fbgemm_fp16_x1")}
-    assert len(d["kernels"]) == 12 and {k["source"] for k in d["kernels"]} == {"measured"}
+    assert len(d["kernels"]) == 15 and {k["source"] for k in d["kernels"]} == {"measured"}
+    assert {(k["role"], k["band"], k["choice"]) for k in d["kernels"] if k["role"].startswith("attention_")} == {
+        ("attention_decode", "all", "native"), ("attention_prefill", "q<=96", "native"),
+        ("attention_prefill", "q>96", "torch_sdpa")}
     assert "Kernels on this CPU" in cli("--model", "smollm2-135m", "--hardware", "cpu").out
     assert d["ledger"]["kv_budget_bytes"] > 0
     cached = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
