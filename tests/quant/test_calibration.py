@@ -11,11 +11,9 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.config import CacheConfig, EngineConfig
 from kvserve.engine.llm import LLM, resolve_model_path
@@ -43,12 +41,7 @@ TEXT = CalibrationText(texts=2, max_tokens=64, chunk=16)
 BUDGETS = (1e-5, 3e-4, 1e-2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/quant/conftest.py
 
 
 @pytest.fixture(autouse=True)

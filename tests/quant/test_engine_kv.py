@@ -6,11 +6,9 @@ mixing, leaks), not quality; the quality gate uses the trained model (test_quali
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.engine.llm import LLM
 from kvserve.kv.layout import kv_block_bytes, resolve_kv_dtype
@@ -21,12 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 13, 200, 17, 42, 7, 99, 3, 11, 60], [8, 8, 300, 12, 4, 77, 1000], [31, 41, 59, 26, 53, 58, 97, 93, 23]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/quant/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ Tiny random-weight Llama (fp32, 3 layers, block size 4): mechanics and exactness
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,12 +27,7 @@ PROMPTS = [[5, 9, 13, 200, 17, 42, 7, 99, 3, 11, 60], [8, 8, 300, 12, 4, 77, 100
 MIXED = "layers:int8/bfloat16/k:fp8,v:int8"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/quant/conftest.py
 
 
 @pytest.fixture(scope="module")
