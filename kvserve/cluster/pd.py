@@ -45,19 +45,34 @@ class TransferLedger:
     sessions_moved: int = 0
 
 
-async def move_blocks(rs: Any, src: str, dst: str, hashes: list[bytes], timeout_s: float) -> int:
-    """Move the blocks of ``hashes`` that ``dst`` lacks from ``src`` to ``dst``; returns the
-    blocks ``dst`` can now find (0 on a fallback, counted). Never raises for a replica."""
-    ledger: TransferLedger = rs.transfers
+def _open(rs: Any, dst: str, hashes: list[bytes]) -> tuple[str, str, Any] | None:
+    """Start a transfer into ``dst``: (its name, the peer string, the pending ``begin_receive``),
+    or None when ``dst`` has no direct channel and the channel is direct."""
     t = uuid.uuid4().hex
-    direct = rs.pd_channel == "direct"
-    if direct and not rs.peer_addresses.get(dst):  # its runner is not inline: no channel to it
+    if rs.pd_channel == "direct":
+        if not rs.peer_addresses.get(dst):  # its runner is not inline: no channel to it
+            return None
+        peer = f"{rs.peer_addresses[dst]}/{t}"
+    else:
+        peer = f"ray:{t}"
+    # not under the timeout: an abandoned begin would hold blocks until they expire
+    return t, peer, asyncio.ensure_future(rs.replicas[dst].handle.begin_receive.remote(t, hashes, peer))
+
+
+async def move_blocks(rs: Any, src: str, dst: str, hashes: list[bytes], timeout_s: float,
+                      opened: tuple[str, str, Any] | None = None) -> int:
+    """Move the blocks of ``hashes`` that ``dst`` lacks from ``src`` to ``dst``; returns the
+    blocks ``dst`` can now find (0 on a fallback, counted). Never raises for a replica.
+    ``opened``: a transfer :func:`_open` started earlier (beside the prefill)."""
+    ledger: TransferLedger = rs.transfers
+    opened = opened or _open(rs, dst, hashes)
+    if opened is None:
         ledger.fallbacks += 1
         return 0
-    peer = f"{rs.peer_addresses[dst]}/{t}" if direct else f"ray:{t}"
+    t, peer, begun = opened
     sender, receiver = rs.replicas[src].handle, rs.replicas[dst].handle
-    try:  # not under the timeout: an abandoned begin would hold blocks until they expire
-        wanted = await receiver.begin_receive.remote(t, hashes, peer)
+    try:
+        wanted = await begun
     except rs._errors:
         ledger.fallbacks += 1
         return 0
@@ -67,7 +82,7 @@ async def move_blocks(rs: Any, src: str, dst: str, hashes: list[bytes], timeout_
     t0 = time.monotonic()
     try:
         frames, stats = sender.send_blocks.options(num_returns=2).remote(t, wanted, peer, timeout_s)
-        if direct:
+        if rs.pd_channel == "direct":
             _, nbytes = await asyncio.wait_for(stats, timeout_s)
             got = await asyncio.wait_for(receiver.finish_receive.remote(t, None), timeout_s)
         else:  # the frames' reference goes straight to the receiver: Ray moves the bytes
@@ -87,19 +102,23 @@ async def move_blocks(rs: Any, src: str, dst: str, hashes: list[bytes], timeout_
 
 async def ship_prefix(rs: Any, prompt: Any, hashes: tuple[bytes, ...], decode: str, cache_salt: str | None,
                       kv_cache_dtype: str | None, timeout_s: float = 1.0) -> None:
-    """Prefill ``prompt`` on a prefill replica and move the blocks ``decode`` lacks to it."""
+    """Prefill ``prompt`` on a prefill replica and move the blocks ``decode`` lacks to it (the
+    decode replica sets its blocks aside while the prefill runs)."""
     if len(rs.index.prefix(decode, hashes)) == len(hashes):
         rs.transfers.skipped += 1
         return
+    opened = _open(rs, decode, list(hashes))
     try:
         prefill = await rs.route_among(rs.prefill, hashes)
         stream = await rs.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt,
                                       kv_cache_dtype=kv_cache_dtype, replica=prefill)
         await stream.result()
     except EngineDeadError:  # no prefill replica, or it died: the decode replica computes
+        if opened is not None:
+            rs.replicas[decode].handle.abandon_receive.remote(opened[0])
         rs.transfers.fallbacks += 1
         return
-    await move_blocks(rs, prefill, decode, list(hashes), timeout_s)
+    await move_blocks(rs, prefill, decode, list(hashes), timeout_s, opened)
 
 
 async def move_session(rs: Any, session_id: str, src: str, dst: str, timeout_s: float) -> bool:
