@@ -83,6 +83,7 @@ def launch_replica_set(engine: EngineConfig, cluster: ClusterConfig, router: Any
 
     from kvserve.cluster.replica_set import ReplicaSet
     from kvserve.model.loader import load_tokenizer
+    from kvserve.native.choices import record
 
     if cluster.prefill_replicas and engine.runner != "inline":
         raise ValueError("a prefill/decode split moves KV between the replicas' runners: use the inline "
@@ -92,6 +93,8 @@ def launch_replica_set(engine: EngineConfig, cluster: ClusterConfig, router: Any
     names = cluster.names()
     handles = {n: start_replica(cluster, engine, n) for n in names}
     infos = dict(zip(names, ray.get([handles[n].info.remote() for n in names]), strict=True))
+    for choice in infos[names[0]].kernel_choices:  # the replicas' kernels, for the front end's /metrics
+        record(choice)
     return ReplicaSet(handles, infos, load_tokenizer(engine.model), router,
                       on_shutdown=ray.shutdown if started_here else None,
                       prefill=frozenset(n for n in names if n.startswith("p")),

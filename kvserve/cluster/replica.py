@@ -31,6 +31,7 @@ from kvserve.engine import kv_transfer
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineSnapshot, FinishedRequest, SessionInfo
 from kvserve.engine.async_views import session_info, session_infos
 from kvserve.engine.engine import LLMEngine
+from kvserve.native.choices import choices
 from kvserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class ReplicaInfo:
     pid: int
     epoch: str
     peer_address: str = ""  # tcp://host:port where its runner takes direct block transfers
+    kernel_choices: tuple[Any, ...] = ()  # kvserve.native.choices: what its runner measured and runs
 
 
 class _Finished:
@@ -94,7 +96,8 @@ class Replica:
         cap = e.capacity
         return ReplicaInfo(self.name, e.kv.root_key, cap.block_size, cap.num_blocks, cap.bytes_per_token,
                            cap.token_capacity, e.max_model_len, int(e.model_config.vocab_size), tuple(e._eos),
-                           tuple(e.kv.tiers.index.tiers), os.getpid(), self.epoch, self.peer_address)
+                           tuple(e.kv.tiers.index.tiers), os.getpid(), self.epoch, self.peer_address,
+                           tuple(choices()))
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        kwargs: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
