@@ -127,7 +127,8 @@ async def run_router(policy: str, engine: EngineConfig, cluster: ClusterConfig, 
                 "achieved_hit_rate_blocks": oracle.achieved_rate,
                 "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9),
                 "tokens_per_s": sum(t.generated for t in turns) / wall, "requests": len(turns), "wall_s": wall,
-                "decisions": dict(decisions), "index_blocks": len(rs.index), "index_rebuild_s": rebuild_s, **pd}
+                "decisions": dict(decisions), "index_blocks": len(rs.index), "index_rebuild_s": rebuild_s,
+                "poll_rounds": rs.poll_rounds, **pd}
     finally:
         await asyncio.to_thread(rs.shutdown)
 
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--routers", default="round_robin,session_hash,kv")
     ap.add_argument("--pd", action="store_true",
                     help="also run kv_pd: the kv router over a prefill/decode split (1 prefill + 1 decode replica)")
+    ap.add_argument("--pd-channel", default="direct", help="with --pd: direct (TCP) or object_store")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -166,10 +168,9 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     runs = [(p, p, cluster) for p in routers]
     if args.pd:
-        pd_engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_host_memory=256 * 2**20))
-        runs.append(("kv_pd", "kv", dataclasses.replace(cluster, prefill_replicas=1)))
+        runs.append(("kv_pd", "kv", dataclasses.replace(cluster, prefill_replicas=1, pd_channel=args.pd_channel)))
     for name, policy, ccfg in runs:
-        eng = pd_engine if name == "kv_pd" else engine
+        eng = engine
         results[name] = asyncio.run(run_router(policy, eng, ccfg, systems, convs, args.reply_len))
         r = results[name]
         print(f"{name:>13}: hit rate {r['hit_rate']:.3f}  oracle ratio {r['oracle_ratio']:.3f}  "

@@ -7,16 +7,15 @@ runtime environment), so a source checkout and an installed copy never mix.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.cluster.pd import CHANNELS
 from kvserve.config import EngineConfig
 
 SRC_ROOT = str(Path(__file__).resolve().parents[2])
-PD_HOST_TIER = 256 * 2**20  # the host tier a P/D split gives replicas that have none
 
 
 @dataclass(frozen=True)
@@ -32,12 +31,15 @@ class ClusterConfig:
     idle_tick_s: float = 0.2
     prefill_replicas: int = 0       # > 0: a prefill/decode split, ``replicas`` is then P + D
     transfer_timeout_s: float = 1.0
+    pd_channel: str = "direct"      # how blocks go between replicas: "direct" (TCP) or "object_store"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
         if self.prefill_replicas and not 0 < self.prefill_replicas < self.replicas:
             raise ValueError("a prefill/decode split needs at least one prefill and one decode replica")
+        if self.pd_channel not in CHANNELS:
+            raise ValueError(f"--pd-channel must be one of {', '.join(CHANNELS)}, got {self.pd_channel!r}")
 
     def names(self) -> list[str]:
         """``r0 …`` (no split), or ``p0 …`` prefill then ``d0 …`` decode replicas."""
@@ -81,15 +83,19 @@ def launch_replica_set(engine: EngineConfig, cluster: ClusterConfig, router: Any
 
     from kvserve.cluster.replica_set import ReplicaSet
     from kvserve.model.loader import load_tokenizer
+    from kvserve.native.choices import record
 
+    if cluster.prefill_replicas and engine.runner != "inline":
+        raise ValueError("a prefill/decode split moves KV between the replicas' runners: use the inline "
+                         "runner, not --runner process")
     started_here = not ray.is_initialized()
     init_ray(cluster)
-    if cluster.prefill_replicas and not engine.cache.tiers:  # blocks travel as tier objects
-        engine = dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_host_memory=PD_HOST_TIER))
     names = cluster.names()
     handles = {n: start_replica(cluster, engine, n) for n in names}
     infos = dict(zip(names, ray.get([handles[n].info.remote() for n in names]), strict=True))
+    for choice in infos[names[0]].kernel_choices:  # the replicas' kernels, for the front end's /metrics
+        record(choice)
     return ReplicaSet(handles, infos, load_tokenizer(engine.model), router,
                       on_shutdown=ray.shutdown if started_here else None,
                       prefill=frozenset(n for n in names if n.startswith("p")),
-                      transfer_timeout_s=cluster.transfer_timeout_s)
+                      transfer_timeout_s=cluster.transfer_timeout_s, pd_channel=cluster.pd_channel)

@@ -56,16 +56,17 @@ class ReplicaCollector(Collector):
                 c.add_metric([m, n], float(rs.served.get(n, {}).get(key, 0)))
             yield c
         led = rs.transfers
-        for key, doc in (("transfers", "Prefill/decode transfers that completed."),
-                         ("blocks", "KV blocks moved from prefill to decode replicas."),
-                         ("bytes", "Bytes of KV block objects moved from prefill to decode replicas."),
-                         ("seconds", "Seconds spent moving KV from prefill to decode replicas."),
-                         ("fallbacks", "Transfers that failed or were too slow: the decode replica computed.")):
+        for key, doc in (("transfers", "KV transfers between replicas that completed (P/D, session moves)."),
+                         ("blocks", "KV blocks moved between replicas and made findable by the receiver."),
+                         ("bytes", "Bytes of KV block objects sent between replicas."),
+                         ("seconds", "Seconds spent moving KV between replicas."),
+                         ("fallbacks", "Transfers that failed or were too slow: the receiver computed."),
+                         ("sessions_moved", "Sessions moved off an overloaded replica, with their KV.")):
             c = CounterMetricFamily(P + "pd_transfer_" + key, doc, labels=["model_name"])
             c.add_metric([m], float(getattr(led, key)))
             yield c
-        d = CounterMetricFamily(P + "router_decisions", "Routing decisions by reason (sticky, prefix, "
-                                "least_loaded, round_robin, session_hash).", labels=["model_name", "reason"])
+        d = CounterMetricFamily(P + "router_decisions", "Routing decisions by reason (sticky, moved, "
+                                "prefix, least_loaded, round_robin, session_hash).", labels=["model_name", "reason"])
         for reason, count in sorted(rs.policy.decisions.items()):
             d.add_metric([m, reason], float(count))
         yield d

@@ -26,11 +26,12 @@ from typing import Any
 
 from kvserve.cluster.feed import ReplicaFeed
 from kvserve.cluster.records import ReplicaLoad, ReplicaPoll
-from kvserve.cluster.transfer import export_objects, import_objects
 from kvserve.config import EngineConfig
+from kvserve.engine import kv_transfer
 from kvserve.engine.async_engine import AsyncLLMEngine, EngineSnapshot, FinishedRequest, SessionInfo
 from kvserve.engine.async_views import session_info, session_infos
 from kvserve.engine.engine import LLMEngine
+from kvserve.native.choices import choices
 from kvserve.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class ReplicaInfo:
     tiers: tuple[str, ...]
     pid: int
     epoch: str
+    peer_address: str = ""  # tcp://host:port where its runner takes direct block transfers
+    kernel_choices: tuple[Any, ...] = ()  # kvserve.native.choices: what its runner measured and runs
 
 
 class _Finished:
@@ -73,6 +76,10 @@ class Replica:
         self.name = name
         self.epoch = uuid.uuid4().hex
         engine = LLMEngine(config)
+        hub = getattr(engine.runner, "peers", None)
+        if hub is not None:  # the direct channel listens on this node's address, not on every interface
+            hub.host = _node_ip()
+        self.peer_address = hub.address() if hub is not None else ""
         self.feed = ReplicaFeed()
         for tier in engine.kv.tiers.index.tiers:
             for key in engine.kv.tiers.index.held(tier):
@@ -89,7 +96,8 @@ class Replica:
         cap = e.capacity
         return ReplicaInfo(self.name, e.kv.root_key, cap.block_size, cap.num_blocks, cap.bytes_per_token,
                            cap.token_capacity, e.max_model_len, int(e.model_config.vocab_size), tuple(e._eos),
-                           tuple(e.kv.tiers.index.tiers), os.getpid(), self.epoch)
+                           tuple(e.kv.tiers.index.tiers), os.getpid(), self.epoch, self.peer_address,
+                           tuple(choices()))
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        kwargs: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
@@ -141,15 +149,42 @@ class Replica:
     async def adopt_session(self, session_id: str) -> SessionInfo | None:
         return await self.engine.call(lambda e: _adopt(e, session_id))
 
-    async def export_blocks(self, keys: list[bytes]) -> dict[bytes, bytes]:
-        """The block objects of the longest prefix of ``keys`` this replica's tiers hold (a
-        prefill replica's side of a transfer; its write-through saves are flushed first)."""
-        return await self.engine.call(lambda e: export_objects(e, keys))
+    # -- moving KV between replicas (kvserve.cluster.pd) --------------------------------------
+    async def begin_receive(self, transfer: str, hashes: list[bytes], peer: str) -> list[bytes]:
+        """Hold blocks for the hashes after this replica's own leading hits; returns those hashes."""
+        return await self.engine.call(lambda e: kv_transfer.begin_receive(e, transfer, hashes, peer))
 
-    async def import_blocks(self, objects: dict[bytes, bytes]) -> tuple[int, int]:
-        """Put block objects into this replica's first tier, where its next request's prefix
-        lookup finds them (a decode replica's side). Returns (blocks, bytes) taken."""
-        return await self.engine.call(lambda e: import_objects(e, objects))
+    async def finish_receive(self, transfer: str, frames: list[bytes] | None) -> int:
+        return await self.engine.call(lambda e: kv_transfer.finish_receive(e, transfer, frames))
+
+    async def abandon_receive(self, transfer: str) -> None:
+        await self.engine.call(lambda e: kv_transfer.abandon_receive(e, transfer))
+
+    async def send_blocks(self, transfer: str, hashes: list[bytes], peer: str,
+                          timeout_s: float) -> tuple[list[bytes], tuple[int, int]]:
+        """(the frames for an object-store peer, (blocks, bytes) sent): two Ray returns, so the
+        frames can go to the receiver by reference."""
+        frames, n, nbytes = await self.engine.call(
+            lambda e: kv_transfer.send_blocks(e, transfer, hashes, peer, timeout_s))
+        return frames, (n, nbytes)
+
+    async def move_out(self, session_id: str) -> dict[str, Any] | None:
+        return await self.engine.call(lambda e: kv_transfer.move_out(e, session_id))
+
+    async def forget_moved(self, session_id: str) -> bool:
+        return await self.engine.call(lambda e: kv_transfer.forget_moved(e, session_id))
+
+    async def move_in(self, record: dict[str, Any]) -> bool:
+        return await self.engine.call(lambda e: kv_transfer.move_in(e, record))
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return "127.0.0.1"
 
 
 def _adopt(engine: LLMEngine, session_id: str) -> SessionInfo | None:

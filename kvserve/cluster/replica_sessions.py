@@ -1,4 +1,5 @@
-"""The replica set's fan-out calls: snapshots added up, and sessions kept with their owner.
+"""The replica set's fan-out calls: snapshots added up, sessions kept with their owner, the
+replicas' event logs (for the oracle), and killing a replica's process (tests, chaos).
 
 A mixin of :class:`~kvserve.cluster.replica_set.ReplicaSet` (it reads ``replicas``, ``owners``,
 ``up()`` and ``_mark_down``; everything runs on the set's event loop).
@@ -83,6 +84,19 @@ class ReplicaSessions:
         if info is not None:
             self.owners[session_id] = target
         return info
+
+    async def replica_events(self) -> dict[str, list[Any]]:
+        """Every live replica's whole cache-event log (the oracle's input)."""
+        return await self._each("events")
+
+    async def kill_replica_process(self, name: str) -> int:
+        """SIGKILL a replica's process (tests, chaos): returns its pid."""
+        import os
+        import signal
+
+        info = await self.replicas[name].handle.info.remote()
+        os.kill(info.pid, signal.SIGKILL)
+        return int(info.pid)
 
     async def session_ids(self) -> set[str]:
         return {s.session_id for s in await self.list_sessions()}

@@ -2,7 +2,8 @@
 
 ::
 
-    HTTP handlers ── add_request ──► refresh: poll every live replica (its cache events + load)
+    HTTP handlers ── add_request ──► fresh:   one round of polls of every live replica (its cache
+                                              events + load), shared by concurrent decisions
                                      route:   policy.choose(RouteQuery, loads) → Decision
                                      stream:  replica.generate (a Ray streaming call) ──► pump task
                   ◄── RequestStream ◄──────────────────────────────────────────────────┘
@@ -10,10 +11,11 @@
 Invariants:
   * the router's index is fed only by the replicas' polls, applied in order under one lock; a
     replica answering with a new epoch (Ray restarted it) or a gap is re-read from a snapshot;
-  * a session's turns go to its owner while the owner is up (even a busy one: its state lives in
-    that engine, so the router's overload exception is not applied to sessions here); when the
-    owner is down, the session is looked up on the live replicas, else adopted by one from the
-    shared session store;
+  * a session's turns go to its owner while the owner is up, unless the owner has
+    ``overload_waiting`` requests waiting and another replica has fewer in flight: then the
+    session moves there first (its record, then its history's blocks, :func:`move_session`);
+    when the owner is down, the session is looked up on the live replicas, else adopted by one
+    from the shared session store;
   * a replica that dies ends each of its in-flight streams with :class:`ReplicaUnavailable`
     (a 503 the client may retry), and is dropped from routing and from the index; no stream hangs;
   * only the front end's event loop touches this object (Ray calls are awaited on it).
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.cluster.index import BlockIndex, IndexGap
-from kvserve.cluster.pd import TransferLedger, ship_prefix
+from kvserve.cluster.pd import TransferLedger, move_session, ship_prefix
 from kvserve.cluster.records import Decision, ReplicaLoad, RouteQuery
 from kvserve.cluster.replica import ReplicaInfo
 from kvserve.cluster.replica_sessions import ReplicaSessions
@@ -85,7 +87,7 @@ class ReplicaSet(ReplicaSessions):
     def __init__(self, handles: dict[str, Any], infos: dict[str, ReplicaInfo], tokenizer: Any,
                  router: RouterConfig | None = None, poll_timeout_s: float = 2.0,
                  on_shutdown: Callable[[], None] | None = None, prefill: frozenset[str] = frozenset(),
-                 transfer_timeout_s: float = 1.0) -> None:
+                 transfer_timeout_s: float = 1.0, pd_channel: str = "direct") -> None:
         first = infos[min(infos)]
         self.info = first
         self.engine = EngineView.of(first, tokenizer)
@@ -104,11 +106,15 @@ class ReplicaSet(ReplicaSessions):
         self._ids = 0
         self._lock: asyncio.Lock | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._round: asyncio.Future[None] | None = None  # the decisions' poll round in flight
+        self.poll_rounds = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once started
         self._on_shutdown = on_shutdown
         self.prefill = prefill                  # prefill replicas (a P/D split); the others decode
         self.transfers = TransferLedger()
         self.transfer_timeout_s = transfer_timeout_s
+        self.pd_channel = pd_channel
+        self.peer_addresses = {n: i.peer_address for n, i in infos.items()}  # direct block transfers
         self._errors = _actor_errors()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -154,6 +160,18 @@ class ReplicaSet(ReplicaSessions):
             todo = names if names is not None else self.up()
             await asyncio.gather(*(self._refresh_one(self.replicas[n]) for n in todo))
 
+    async def fresh(self) -> None:
+        """Bring the index up to date for a decision: one round of polls, shared by every
+        decision that arrives while it runs (so N concurrent requests cost one round, not N)."""
+        if self._round is None:
+            self._round = asyncio.ensure_future(self.refresh())
+            self._round.add_done_callback(self._round_done)
+            self.poll_rounds += 1
+        await asyncio.shield(self._round)
+
+    def _round_done(self, _: Any) -> None:
+        self._round = None
+
     async def _refresh_one(self, r: _Replica) -> None:
         since = self.index.seq.get(r.name, -1)
         try:
@@ -161,6 +179,7 @@ class ReplicaSet(ReplicaSessions):
             if epoch != r.epoch:  # Ray restarted it: what we knew is gone
                 self.index.drop(r.name)
                 r.epoch = epoch
+                self.peer_addresses[r.name] = (await self._ask(r, r.handle.info.remote())).peer_address
                 epoch, poll = await self._ask(r, r.handle.poll.remote(-1))
             try:
                 self.index.apply(r.name, poll)
@@ -223,7 +242,7 @@ class ReplicaSet(ReplicaSessions):
     async def route(self, query: RouteQuery, pinned: str | None = None, num_tokens: int = 0) -> Decision:
         """Where ``query`` goes (``pinned``: that replica, if up; warm-ups in tests and benchmarks);
         with a P/D split, among the decode replicas unless pinned."""
-        await self.refresh()
+        await self.fresh()
         owner = self.owners.get(query.session_id) if query.session_id is not None else None
         loads = {n: self.replicas[n].load for n in self.up() if pinned is not None or n not in self.prefill}
         if not loads:
@@ -231,6 +250,10 @@ class ReplicaSet(ReplicaSessions):
         try:
             if pinned is not None and pinned in loads:
                 decision = Decision(pinned, "pinned", self.index.prefix(pinned, query.block_hashes))
+            elif owner in loads and (busy := self._relief(owner, loads)) is not None and \
+                    await move_session(self, query.session_id, owner, busy, self.transfer_timeout_s):
+                decision = Decision(busy, "moved")  # off an overloaded owner, with its KV
+                self.policy.decisions["moved"] += 1
             elif owner in loads:  # a live session stays where its state is
                 decision = Decision(owner, "sticky")
                 self.policy.decisions["sticky"] += 1
@@ -242,6 +265,15 @@ class ReplicaSet(ReplicaSessions):
         if query.session_id is not None:
             self.owners[query.session_id] = decision.replica
         return decision
+
+    def _relief(self, owner: str, loads: dict[str, ReplicaLoad]) -> str | None:
+        """The replica a session leaves its overloaded ``owner`` for, or None (not overloaded, or
+        no other replica is less busy)."""
+        if loads[owner].num_waiting < self.router_config.overload_waiting:
+            return None
+        others = [n for n in loads if n != owner]
+        best = min(others, key=lambda n: (loads[n].in_flight, -loads[n].blocks_free, n), default=None)
+        return best if best is not None and loads[best].in_flight < loads[owner].in_flight else None
 
     async def route_among(self, names: frozenset[str], hashes: tuple[bytes, ...]) -> str:
         """The policy's choice among ``names`` (the prefill replicas), without logging a decision."""
@@ -354,20 +386,7 @@ class ReplicaSet(ReplicaSessions):
 
     post = call
 
-    async def replica_events(self) -> dict[str, list[Any]]:
-        """Every live replica's whole cache-event log (the oracle's input)."""
-        return await self._each("events")
-
     def run_blocking(self, coro: Any, timeout_s: float = 60.0) -> Any:
         """Run ``coro`` on the loop this set serves on, from another thread (tests, benchmarks)."""
         assert self.loop is not None, "start() the replica set first"
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    async def kill_replica_process(self, name: str) -> int:
-        """SIGKILL a replica's process (tests, chaos): returns its pid."""
-        import os
-        import signal
-
-        info: ReplicaInfo = await self.replicas[name].handle.info.remote()
-        os.kill(info.pid, signal.SIGKILL)
-        return info.pid

@@ -6,8 +6,14 @@ order, *before* the forward, so the forward already sees copied or loaded blocks
     CopyBlock(src, dst)            pool → pool        copy-on-write of a shared block (works today)
     SaveBlock(block_id, key)       pool → a tier      the block's self-describing bytes under ``key``
     LoadBlock(key, block_id)       a tier → pool      restores a saved block into ``block_id``
-    SendBlocks(block_ids, peer)    pool → a peer      another process (prefill/decode split)
+    SendBlocks(block_ids, peer)    pool → a peer      another engine (prefill/decode split, a session move)
     ReceiveBlocks(block_ids, peer) a peer → pool
+
+A send or receive names each block's hash (``keys``): a block travels as the same verified object
+a tier holds (:mod:`kvserve.kv.tiers.object_format`), so the receiver checks root key, hash and
+checksum before writing it. ``peer`` names a channel and a transfer (:mod:`kvserve.runner.peers`):
+``tcp://host:port/<transfer>`` (direct, sender to receiver) or ``ray:<transfer>`` (the frames are
+handed back to the caller, who moves them through Ray's object store).
 
 ``key`` is a block's chained prefix hash, which starts from the root key naming the model, the KV
 codec and the block size (:mod:`kvserve.kv.hashing`), so a block saved by one engine can never be
@@ -40,11 +46,13 @@ class LoadBlock(msgspec.Struct, frozen=True, tag="load"):
 class SendBlocks(msgspec.Struct, frozen=True, tag="send"):
     block_ids: list[int]
     peer: str
+    keys: list[bytes] = msgspec.field(default_factory=list)  # each block's hash, in order
 
 
 class ReceiveBlocks(msgspec.Struct, frozen=True, tag="receive"):
     block_ids: list[int]
     peer: str
+    keys: list[bytes] = msgspec.field(default_factory=list)  # the hash each block must carry
 
 
 BlockOp = CopyBlock | SaveBlock | LoadBlock | SendBlocks | ReceiveBlocks

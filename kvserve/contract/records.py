@@ -138,3 +138,4 @@ class RunnerOutput(msgspec.Struct):
     block_scores: dict[str, list[float]] | None = None
     tier_events: list[TierEvent] = msgspec.field(default_factory=list)
     loaded: list[LoadResult] = msgspec.field(default_factory=list)
+    received: dict[str, int] = msgspec.field(default_factory=dict)  # peer → leading blocks written

@@ -47,6 +47,7 @@ from kvserve.kv.forgetting import Forgetting
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
 from kvserve.kv.manager_records import NO_BLOCKS, BlockSource, ComputedBlocks, PrefixCacheStats, _Plan
 from kvserve.kv.miss_ledger import MissLedger, MissReasons
+from kvserve.kv.peer_seam import PeerTransfers
 from kvserve.kv.prefix_pins import PrefixPins
 from kvserve.kv.sessions import Session, SessionTable
 from kvserve.kv.tier_seam import Loading, TierSeam
@@ -78,6 +79,7 @@ class KVCacheManager(Forgetting, MissReasons):
         self._ops: list[BlockOp] = []  # block operations for the next step, in order
         self.tiers = TierSeam(self.pool, block_size, tiers, tier_write, self._ops)
         self.pins = PrefixPins(self.pool, clock, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
+        self.peers = PeerTransfers(self.pool)  # blocks held for transfers to and from other engines
         # with tiers below the pool, an idle session's pool copy goes early: its KV stays in the tiers
         self.session_demote_after_s = session_demote_after_s if tiers else None
         self._tables: dict[str, list[int | None]] = {}
@@ -387,12 +389,12 @@ class KVCacheManager(Forgetting, MissReasons):
 
     # -- checking ----------------------------------------------------------------------------
     def check(self) -> None:
-        """Assert the pool's invariants and that references match tables, session blocks, pins
-        and the blocks held by tier loads in flight."""
+        """Assert the pool's invariants and that references match tables, session blocks, pins,
+        tier loads and peer transfers in flight."""
         self.pool.check()
         tables = [*self._tables.values(), *(s.blocks for s in self.sessions.all())]
         held = sum(1 for t in tables for b in t if b is not None)
-        held += self.tiers.held_refs() + self.pins.held_refs()
+        held += self.tiers.held_refs() + self.pins.held_refs() + self.peers.held_refs()
         self.pins.check()
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_blocks))
-        assert held == refs, f"tables, sessions and tier loads hold {held} references but the pool counts {refs}"
+        assert held == refs, f"tables, sessions, loads and transfers hold {held} references; the pool counts {refs}"

@@ -213,10 +213,11 @@ class SessionTable:
         session.token_ids = session.token_ids[cut:]
         session.turn_starts = [t - cut for t in session.turn_starts if t >= cut]
 
-    def remove(self, session_id: str) -> Session | None:
+    def remove(self, session_id: str, keep_record: bool = False) -> Session | None:
+        """Forget a session here (and in the stores, unless ``keep_record``: it moved elsewhere)."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            for store in self.stores:
+            for store in self.stores if not keep_record else ():
                 store.delete(session_id)
             per = self._per_tenant[session.tenant]
             per.pop(session_id, None)

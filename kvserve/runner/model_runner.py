@@ -34,6 +34,7 @@ from kvserve.model.attention_choice import CHOICES, select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.inputs import ModelInputs, build_inputs
+from kvserve.runner.peers import PeerHub
 from kvserve.runner.sampler import Sampler
 from kvserve.runner.state import RequestState, RunnerState
 from kvserve.runner.tier_loader import TierLoader
@@ -50,7 +51,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, capacity: KVCapacity,
                  kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None,
                  attention_backend: str = DEFAULT_BACKEND, tokenizer_path: str | None = None,
-                 tiers: TierStack | None = None) -> None:
+                 tiers: TierStack | None = None, root_key: bytes = b"") -> None:
         self.model = model
         self.config = model_config
         self.capacity = capacity
@@ -68,6 +69,8 @@ class ModelRunner:
         self._tokenizer: Any = None
         self.tiers = tiers
         self.loader = TierLoader(tiers) if tiers else None
+        self.root_key = root_key  # what block objects sent to and received from peers carry
+        self.peers = PeerHub()  # SendBlocks / ReceiveBlocks (its listener starts when asked)
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -108,7 +111,7 @@ class ModelRunner:
             if new.sampling.response_format is not None:
                 self._attach_matcher(self.state.requests[new.request_id])
         result = RunnerOutput(out.step_id)
-        run_block_ops(self.storage, self.tiers, out.block_ops, result, self.loader)
+        run_block_ops(self.storage, self.tiers, out.block_ops, result, self.loader, self.peers, self.root_key)
         return result
 
     def _collect_loads(self, result: RunnerOutput, idle: bool) -> None:

@@ -88,7 +88,7 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
     model, model_config = load_model(spec.model, dtype=spec.dtype, device=device)
     return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
                        tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None,
-                       attention_backend=spec.attention_backend)
+                       attention_backend=spec.attention_backend, root_key=spec.root_key)
 
 
 def make_runner(spec: RunnerSpec, kind: str) -> Any:

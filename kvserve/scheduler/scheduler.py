@@ -94,6 +94,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.kv.expire_sessions()
         self.kv.pins.expire()
+        self.kv.peers.expire()
         self._step_id += 1
         out = SchedulerOutput(step_id=self._step_id, finished=self._forget)
         self._forget = []

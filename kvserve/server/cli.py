@@ -156,6 +156,9 @@ def serve(
         "--prefill-replicas", help="A prefill/decode split: replicas that compute prompts (with --decode-replicas).")] = 0,
     decode_replicas: Annotated[int, typer.Option(
         "--decode-replicas", help="A prefill/decode split: replicas that receive the prompt's KV and decode.")] = 0,
+    pd_channel: Annotated[str, typer.Option(
+        "--pd-channel", help="How KV blocks go between replicas (P/D split, a session leaving a busy replica): "
+                             "direct (TCP, runner to runner) or object_store (Ray's).")] = "direct",
     replica_restarts: Annotated[int, typer.Option(
         "--replica-restarts", help="With replicas: times Ray restarts a dead replica (-1: always).")] = 0,
     tensor_parallel_size: Annotated[int | None, typer.Option(
@@ -211,7 +214,8 @@ def serve(
 
         engine: Any = launch_replica_set(ecfg, ClusterConfig(replicas=replicas, address=ray_address,
                                                              max_restarts=replica_restarts,
-                                                             prefill_replicas=prefill_replicas),
+                                                             prefill_replicas=prefill_replicas,
+                                                             pd_channel=pd_channel),
                                          RouterConfig(policy=router))
         typer.echo(f"kvserve: {replicas} replica(s) on Ray, router {router!r}", err=True)
     else:

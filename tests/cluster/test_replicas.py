@@ -79,7 +79,7 @@ def test_an_evicted_prefix_stops_attracting_requests(cluster: Any) -> None:
 
 
 def test_streaming_and_per_replica_metrics(cluster: Any) -> None:
-    _, srv = cluster
+    rs, srv = cluster
     with httpx.stream("POST", srv.v1 + "/completions", timeout=60,
                       json={"model": "tiny", "prompt": "count", "stream": True, **GREEDY}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
@@ -91,6 +91,11 @@ def test_streaming_and_per_replica_metrics(cluster: Any) -> None:
     assert served >= 5
     assert m[("kvserve:router_decisions_total", (("reason", "sticky"),))] >= 2
     assert m[("kvserve:kv_blocks_total", ())] == 128  # the cluster's snapshot adds both pools
+    reported = rs.info.kernel_choices  # what the replicas' runners chose, shown in the front end's /metrics
+    assert reported
+    for c in reported:
+        assert m[("kvserve:kernel_choice", (("band", c.band), ("choice", c.choice), ("role", c.role),
+                                            ("source", c.source)))] == 1.0
     health = httpx.get(srv.url + "/health", timeout=10)
     assert health.json() == {"status": "ok"}
 
