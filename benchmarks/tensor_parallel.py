@@ -71,30 +71,40 @@ def measure(model: str, tp: int, threads: int, prefill: int, batch: int, decode:
             f"decode_step_ms_batch{batch}": round(statistics.median(many) * 1e3, 2)}
 
 
-def _allreduce_rank(rank: int, store: str, rows: list[int], hidden: int, dtype: str, out: str) -> None:
+def _allreduce_rank(rank: int, store: str, rows: list[int], hidden: int, dtype: str, impl: str, out: str) -> None:
     import torch.distributed as dist
+
+    from kvserve.parallel import shm_allreduce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    reduce = dist.all_reduce
+    if impl == "shm":
+        shm, why = shm_allreduce.join(rank, 2)
+        if shm is None:
+            raise RuntimeError(f"no shared-memory all-reduce here: {why}")
+        reduce = shm
     times = {}
     for r in rows:
         x = torch.zeros(r, hidden, dtype=getattr(torch, dtype))
-        for _ in range(10):
-            dist.all_reduce(x)
+        n = 100 if impl == "gloo" else 2000
+        for _ in range(n // 10):
+            reduce(x)
         t0 = time.perf_counter()
-        for _ in range(100):
-            dist.all_reduce(x)
-        times[r] = (time.perf_counter() - t0) / 100 * 1e6
+        for _ in range(n):
+            reduce(x)
+        times[r] = (time.perf_counter() - t0) / n * 1e6
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
 
 
-def allreduce_us(rows: list[int], hidden: int, dtype: str) -> dict[str, float]:
+def allreduce_us(rows: list[int], hidden: int, dtype: str, impl: str) -> dict[str, float]:
+    """Microseconds per all-reduce of ``[rows, hidden]`` between two processes (``impl``: gloo or shm)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_allreduce_rank, args=(f"{d}/store", rows, hidden, dtype, f"{d}/out.json"), nprocs=2)
+        mp.spawn(_allreduce_rank, args=(f"{d}/store", rows, hidden, dtype, impl, f"{d}/out.json"), nprocs=2)
         return {str(k): round(v, 1) for k, v in json.loads(Path(f"{d}/out.json").read_text()).items()}
 
 
