@@ -18,7 +18,6 @@ Invariant: every rank calls these functions in the same order (they are collecti
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -31,9 +30,9 @@ from kvserve.model.gemm_plan import GemmPlan, plan_for, record_plan
 from kvserve.model.gemm_tune import role_shapes
 from kvserve.model.loader import torch_dtype
 from kvserve.native.choices import KernelChoice, choices, record
+from kvserve.parallel.load import without_logits
 
 log = logging.getLogger("kvserve")
-NATIVE = ("native", "native", "native")
 
 
 def _from_rank0(value: object) -> Any:
@@ -52,7 +51,7 @@ def rank_gemm_plan(shard: ModelConfig, rank: int) -> GemmPlan:
     plan = _from_rank0(plan)
     assert plan is not None
     if rank != 0:
-        plan = dataclasses.replace(plan, paths={**plan.paths, "lm_head": NATIVE})
+        plan = without_logits(plan)
         record_plan(plan)
     return plan
 

@@ -15,6 +15,7 @@ checkpoint rather than held.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,6 +69,12 @@ def _iter_shards(files: list[Path], config: ModelConfig, rank: int, tp: int) -> 
                     yield name, part[:, s.start:s.stop]
 
 
+def without_logits(plan: GemmPlan) -> GemmPlan:
+    """``plan`` with a ``native`` logits role: what a rank without a logits projection runs (a
+    packed path would build one from a tied embedding)."""
+    return dataclasses.replace(plan, paths={**plan.paths, "lm_head": ("native", "native", "native")})
+
+
 def load_shard(path: str | Path, rank: int, tp: int, reduce: Reduce, dtype: str = "auto",
                device: str | torch.device = "cpu", plan: GemmPlan | None = None,
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -91,8 +98,10 @@ def load_shard(path: str | Path, rank: int, tp: int, reduce: Reduce, dtype: str 
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
+    if plan is not None and rank != 0:
+        plan = without_logits(plan)
     if plan is not None and plan.uses_fbgemm():
-        apply_plan(model, plan)  # off rank 0 the plan's lm_head is native: nothing is packed for it
+        apply_plan(model, plan)
         if rank == 0:
             loader._map_embedding(model, files)
         release_free_memory()

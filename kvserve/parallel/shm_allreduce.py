@@ -96,7 +96,10 @@ class ShmAllReduce:
                  timeout_s: float = 120.0) -> None:
         if slot_bytes % LINE:
             raise ValueError(f"slot_bytes must be a multiple of {LINE}, got {slot_bytes}")
+        if world < 2:
+            raise ValueError(f"a shared-memory all-reduce needs 2 or more ranks, got {world}")
         self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
+        self.path = path
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), segment_bytes(world, slot_bytes))
         self._flags = memoryview(self._map)[:world * LINE].cast("q")
@@ -174,10 +177,12 @@ class ShmAllReduce:
             raise PeerGone(f"all-reduce {seq}: rank {self.rank} waited {waited_s:.0f} s for its peers")
 
 
-def join(rank: int, world: int, timeout_s: float = 120.0) -> tuple[ShmAllReduce | None, str]:
+def join(rank: int, world: int, timeout_s: float = 120.0,
+         slot_bytes: int = SLOT_BYTES) -> tuple[ShmAllReduce | None, str]:
     """Collective over the (gloo) default group: every rank gets a :class:`ShmAllReduce` on one
     new segment, or every rank gets ``None`` and the reason (then they all use gloo). The segment
-    file is unlinked once every rank mapped it, so nothing is left in ``/dev/shm`` afterwards."""
+    file is unlinked once every rank mapped it (before any rank returns), so nothing is left in
+    ``/dev/shm`` however the ranks end."""
     import torch.distributed as dist
 
     why = usable()  # the same on every rank: one host, one environment
@@ -190,7 +195,7 @@ def join(rank: int, world: int, timeout_s: float = 120.0) -> tuple[ShmAllReduce 
     box: list[object] = [None, ""]
     if rank == 0:
         try:
-            box[0] = str(create_segment(world))
+            box[0] = str(create_segment(world, slot_bytes))
         except OSError as e:
             box[1] = f"cannot create a segment in {SHM_DIR}: {e}"
     dist.broadcast_object_list(box, src=0)
@@ -199,14 +204,15 @@ def join(rank: int, world: int, timeout_s: float = 120.0) -> tuple[ShmAllReduce 
         if box[0] is not None:
             try:
                 reducer = ShmAllReduce(Path(str(box[0])), rank, world, [int(str(p)) for p in pids],
-                                       timeout_s=timeout_s)
-            except (OSError, ValueError) as e:
+                                       slot_bytes, timeout_s)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
                 err = f"rank {rank} cannot map {box[0]}: {e}"
         errors: list[object] = [None] * world
         dist.all_gather_object(errors, err)
     finally:
         if rank == 0 and box[0] is not None:
             Path(str(box[0])).unlink(missing_ok=True)
+    dist.barrier()  # the file is gone on every rank's return
     reasons = sorted({str(e) for e in errors if e})
     if reasons:
         if os.environ.get(ENV) == "shm":
