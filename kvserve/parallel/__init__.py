@@ -2,6 +2,8 @@
 
 * :mod:`kvserve.parallel.shard`: which rows/columns of each weight a rank holds, its config;
 * :mod:`kvserve.parallel.load`: a rank reads only its slices and gets its all-reduces;
+* :mod:`kvserve.parallel.shm_allreduce`: the per-layer sum through shared memory (CPU, one host);
+* :mod:`kvserve.parallel.kernels`: every rank runs rank 0's GEMM plan and attention backend;
 * :mod:`kvserve.parallel.worker`: a rank's process (rank 0 samples, the others follow);
 * :mod:`kvserve.parallel.runner`: the engine's side, the process runner's calls over T ranks.
 

@@ -6,10 +6,16 @@ the ordinary :class:`~kvserve.model.llama.LlamaForCausalLM` built from the rank'
 :func:`~kvserve.parallel.shard.shard_config`; afterwards every layer's attention and MLP are
 wrapped in :class:`AllReduceOutput`, which adds the ranks' partial outputs (the row-parallel
 ``o_proj`` / ``down_proj``) before the residual add. Nothing in the model file changes.
+
+The projections then take the GEMM paths of the rank's plan (:mod:`kvserve.parallel.kernels`,
+applied by :func:`kvserve.model.gemm_apply.apply_plan` as the single-process loader does). Off
+rank 0 the embedding is only looked up by rows (no logits there), so it is read in place from the
+checkpoint rather than held.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,8 +25,11 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model import loader
-from kvserve.model.cpu_gemm import PackedFp16MLP, fbgemm_fp16_available, pack_linears
-from kvserve.model.llama import MLP, LlamaForCausalLM
+from kvserve.model.gemm_apply import apply_plan
+from kvserve.model.gemm_plan import GemmPlan
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.mapped_tensor import map_tensor
+from kvserve.model.memory_release import release_free_memory
 from kvserve.model.registry import get_model_class
 from kvserve.parallel.shard import shard_config, shard_slice
 
@@ -60,12 +69,19 @@ def _iter_shards(files: list[Path], config: ModelConfig, rank: int, tp: int) -> 
                     yield name, part[:, s.start:s.stop]
 
 
+def without_logits(plan: GemmPlan) -> GemmPlan:
+    """``plan`` with a ``native`` logits role: what a rank without a logits projection runs (a
+    packed path would build one from a tied embedding)."""
+    return dataclasses.replace(plan, paths={**plan.paths, "lm_head": ("native", "native", "native")})
+
+
 def load_shard(path: str | Path, rank: int, tp: int, reduce: Reduce, dtype: str = "auto",
-               device: str | torch.device = "cpu", cpu_fp16_gemm: bool | None = None,
+               device: str | torch.device = "cpu", plan: GemmPlan | None = None,
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Rank ``rank``'s model (of ``tp``) and the full model's config. Ranks other than 0 have no
     logits projection (``lm_head`` is None and must not be called). ``reduce`` sums a tensor over
-    the ranks in place."""
+    the ranks in place. ``plan``: the GEMM paths of the shard's projections
+    (:func:`kvserve.parallel.kernels.rank_gemm_plan`; ``None``: as loaded, torch's matmul)."""
     root = Path(path)
     config = loader.load_model_config(root, dtype)
     files = loader.weight_files(root)
@@ -82,18 +98,24 @@ def load_shard(path: str | Path, rank: int, tp: int, reduce: Reduce, dtype: str 
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    if cpu_fp16_gemm is None:
-        cpu_fp16_gemm = dev.type == "cpu" and config.dtype in ("bfloat16", "float16") and fbgemm_fp16_available()
-    if cpu_fp16_gemm and rank == 0:
-        model.pack_cpu_fp16_gemm()
-        loader._map_embedding(model, files)
-    elif cpu_fp16_gemm:  # the layers only: no logits projection off rank 0
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, MLP) and PackedFp16MLP.fits(layer.mlp.gate_up_proj.weight,
-                                                                 layer.mlp.down_proj.weight):
-                layer.mlp = PackedFp16MLP(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-        pack_linears(model.model)
+    if plan is not None and rank != 0:
+        plan = without_logits(plan)
+    if plan is not None and plan.uses_fbgemm():
+        apply_plan(model, plan)
+        if rank == 0:
+            loader._map_embedding(model, files)
+        release_free_memory()
+    if rank != 0:  # no logits here: the embedding is only looked up by rows, whatever the plan
+        _map_rows_only_embedding(model, files)
     for layer in model.model.layers:
         layer.self_attn = AllReduceOutput(layer.self_attn, reduce)
         layer.mlp = AllReduceOutput(layer.mlp, reduce)
     return model, config
+
+
+def _map_rows_only_embedding(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Read the embedding in place from the checkpoint (only the rows requests touch are resident)."""
+    emb = model.model.embed_tokens
+    mapped = map_tensor(files, "model.embed_tokens.weight", emb.weight.dtype)
+    if mapped is not None and mapped.shape == emb.weight.shape:
+        emb.weight = torch.nn.Parameter(mapped, requires_grad=False)

@@ -30,7 +30,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from kvserve.contract import RunnerOutput, SchedulerOutput, wire
-from kvserve.native.choices import record
+from kvserve.native.choices import KernelChoice, record
 from kvserve.parallel.worker import follower_main
 from kvserve.runner.process_runner import ProcessRunner, RunnerProcessError, RunnerSpec, _child_main, spawn
 
@@ -39,7 +39,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 class TensorParallelRunner(ProcessRunner):
     """``spec.tensor_parallel_size`` worker processes; ``kv_bytes`` is one worker's KV pool
-    (``worker_kv_bytes`` lists every rank's, all equal)."""
+    (``worker_kv_bytes`` lists every rank's, all equal). ``worker_kernel_choices[r]``: the kernels
+    rank r runs (rank 0's are also recorded in this process, for ``/metrics``)."""
 
     def __init__(self, spec: RunnerSpec, poll_s: float = 0.5) -> None:
         self.poll_s = poll_s
@@ -55,7 +56,12 @@ class TensorParallelRunner(ProcessRunner):
             self.kv_bytes, self._snapshot, kernel_choices = pickle.loads(self._receive(b"R"))
             for choice in kernel_choices:  # rank 0's kernel choices, for this process's /metrics
                 record(choice)
-            self.worker_kv_bytes = [self.kv_bytes] + [self._peer_started(r) for r in range(1, len(specs))]
+            self.worker_kernel_choices: list[list[KernelChoice]] = [list(kernel_choices)]
+            self.worker_kv_bytes = [self.kv_bytes]
+            for r in range(1, len(specs)):
+                kv_bytes, ranks_choices = self._peer_started(r)
+                self.worker_kv_bytes.append(kv_bytes)
+                self.worker_kernel_choices.append(ranks_choices)
         except BaseException:
             self._kill_all()
             shutil.rmtree(self._store, ignore_errors=True)
@@ -66,11 +72,12 @@ class TensorParallelRunner(ProcessRunner):
     def pids(self) -> list[int | None]:
         return [self._proc.pid] + [p.pid for _, p in self._peers]
 
-    def _peer_started(self, rank: int) -> int:
+    def _peer_started(self, rank: int) -> tuple[int, list[KernelChoice]]:
         conn, _ = self._peers[rank - 1]
         while not conn.poll(self.poll_s):
             self._watch()
-        return int(self._peer_reply(rank, b"R"))
+        kv_bytes, kernel_choices = self._peer_reply(rank, b"R")  # type: ignore[misc]
+        return int(kv_bytes), list(kernel_choices)
 
     def _peer_reply(self, rank: int, want: bytes) -> object:
         conn, proc = self._peers[rank - 1]

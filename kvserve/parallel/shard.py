@@ -17,9 +17,8 @@ locally, so the attention code runs unchanged on ``H/T`` query and ``KVH/T`` KV 
 
 Why the embedding and lm_head are not vocab-split: a vocab-split embedding needs an all-reduce
 of ``[T, hidden]`` before the first layer and a vocab-split lm_head an all-gather of the logits
-to rank 0 before sampling: two more collectives per step. On this CPU one gloo collective costs
-~0.4-1.8 ms (docs/cluster.md), about a layer's compute at decode, while the matrices are 0.14 B
-of the 0.5B shape's parameters (a fixed cost, not one that grows with the batch).
+to rank 0 before sampling: two more collectives per step, and logits computed off rank 0 (not
+built; docs/tensor-parallel.md measures what the unsplit lm_head costs rank 0 at decode).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ import torch.distributed as dist
 
 from kvserve.contract import RunnerOutput, ScheduledChunk, SchedulerOutput, wire
 from kvserve.engine.memory import set_cpu_threads
+from kvserve.model.loader import load_model_config
+from kvserve.native.choices import choices
+from kvserve.parallel import shm_allreduce
+from kvserve.parallel.kernels import rank_gemm_plan, record_allreduce, share_attention
 from kvserve.parallel.load import Reduce, load_shard
 from kvserve.parallel.shard import shard_config
 from kvserve.runner.block_ops import run_block_ops
@@ -54,7 +58,9 @@ def worker_threads(num_threads: int | None, tp: int) -> int:
 
 
 def init_group(spec: RunnerSpec, device: torch.device) -> Reduce:
-    """Join the ranks' process group (nccl on CUDA, gloo on CPU); returns the in-place sum."""
+    """Join the ranks' process group (nccl on CUDA, gloo on CPU); returns the in-place sum the
+    layers use: nccl's on CUDA; on CPU the shared-memory one (:mod:`~kvserve.parallel.shm_allreduce`,
+    every CPU rank is on this host), or gloo's where that cannot run. Recorded as ``tp_allreduce``."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -64,15 +70,25 @@ def init_group(spec: RunnerSpec, device: torch.device) -> Reduce:
     def reduce(t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
+    if device.type == "cuda":
+        record_allreduce("nccl", "default")
+        return reduce
+    shm, why = shm_allreduce.join(spec.rank, spec.tensor_parallel_size, GROUP_TIMEOUT_S)
+    if shm is not None:
+        record_allreduce("shm", "default")
+        return shm
+    record_allreduce("gloo", "forced" if why.startswith(shm_allreduce.ENV) else "fallback", why)
     return reduce
 
 
 class _ShardedRunner(ModelRunner):
+    reduce: Reduce  # the group's in-place sum (set by build_rank_runner)
+
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ModelInputs]:
         hidden, inputs = super()._forward(chunks)
         scores = inputs.meta.block_scores  # each rank summed its own heads: add the others'
         for i in sorted(scores):
-            dist.all_reduce(scores[i])
+            self.reduce(scores[i])
         return hidden, inputs
 
 
@@ -99,19 +115,26 @@ class FollowerRunner(_ShardedRunner):
 
 
 def build_rank_runner(spec: RunnerSpec) -> ModelRunner:
-    """Join the group, load this rank's shard, allocate its KV shard (``spec.capacity``)."""
+    """Join the group, load this rank's shard with rank 0's GEMM plan, allocate its KV shard
+    (``spec.capacity``) and run rank 0's attention backend (:mod:`kvserve.parallel.kernels`)."""
     device = worker_device(spec.device, spec.rank)
+    tp = spec.tensor_parallel_size
     if device.type == "cpu":
-        set_cpu_threads(worker_threads(spec.num_threads, spec.tensor_parallel_size))
+        set_cpu_threads(worker_threads(spec.num_threads, tp))
     reduce = init_group(spec, device)
-    model, config = load_shard(spec.model, spec.rank, spec.tensor_parallel_size, reduce, spec.dtype, device)
+    shard = shard_config(load_model_config(spec.model, spec.dtype), tp)
+    plan = rank_gemm_plan(shard, spec.rank) if device.type == "cpu" else None
+    model, _ = load_shard(spec.model, spec.rank, tp, reduce, spec.dtype, device, plan=plan)
     cls = LeaderRunner if spec.rank == 0 else FollowerRunner
-    return cls(model, shard_config(config, spec.tensor_parallel_size), spec.capacity, spec.kv_dtype, device,
-               seed=spec.seed, cache=spec.cache, tokenizer_path=spec.model)
+    runner = cls(model, shard, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
+                 tokenizer_path=spec.model, attention_backend=spec.attention_backend if spec.rank == 0 else "torch_sdpa")
+    runner.attention = share_attention(spec.rank, runner.attention if spec.rank == 0 else None)
+    runner.reduce = reduce
+    return runner
 
 
 def follower_main(conn: Connection, spec: RunnerSpec) -> None:
-    """A follower's process: ``R`` + its KV bytes once started, then records until ``Q``; on any
+    """A follower's process: ``R`` + its KV bytes and kernel choices once started, then records until ``Q``; on any
     error ``X`` + the text, and exit."""
     try:
         runner = build_rank_runner(spec)
@@ -119,7 +142,7 @@ def follower_main(conn: Connection, spec: RunnerSpec) -> None:
         conn.send_bytes(b"X" + pickle.dumps(f"tensor-parallel rank {spec.rank} failed to start: {e!r}"))
         return
     assert isinstance(runner, FollowerRunner)
-    conn.send_bytes(b"R" + pickle.dumps(runner.kv_bytes))
+    conn.send_bytes(b"R" + pickle.dumps((runner.kv_bytes, choices())))
     while True:
         try:
             msg = conn.recv_bytes()

@@ -1,12 +1,12 @@
 """``tensor_parallel_size=2``: two worker processes, each with half the heads, KV heads and MLP
-columns, give the greedy tokens of one worker (fp32), hold the planner's per-GPU pool, and a dead
-worker is an error, not a hang; a size the model cannot be split into is refused."""
+columns, give the greedy tokens of one worker (fp32) with the shared-memory all-reduce and with
+gloo's, hold the planner's per-GPU pool, and a dead worker is an error, not a hang; a size the
+model cannot be split into is refused."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,34 +18,10 @@ from typer.testing import CliRunner
 from kvserve import LLM, SamplingParams
 from kvserve.cli import app
 from kvserve.kv.press import PressSpec
+from kvserve.native.choices import KernelChoice
+from kvserve.parallel.shm_allreduce import ENV
 from kvserve.runner.process_runner import RunnerProcessError
-from tests.engine.conftest import TOKENIZER_DIR
-from tests.model.helpers import build_hf_model
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-PROMPTS = [{"prompt_token_ids": list(range(3 + i, 3 + i + 18 + 7 * i))} for i in range(3)]  # 5-10 blocks
-KW = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, "num_threads": 1}
-# (parity case, overrides): MHA; GQA with q/k/v and o biases (o's bias must be added once);
-# Qwen2 GQA with q/k/v bias and tied embeddings (the embedding replicated, logits on rank 0)
-CASES = {"llama-mha": ("llama-mha", {}), "llama-gqa-bias": ("llama-mqa-bias", {"num_key_value_heads": 2}),
-         "qwen2-tied": ("qwen2-bias-tied", {})}
-
-
-def save(case: str, out: Path, **overrides: object) -> Path:
-    build_hf_model(case, **overrides).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, out / name)
-    return out
-
-
-def tokens(llm: LLM, prompts: list[dict[str, list[int]]] = PROMPTS, params: SamplingParams = GREEDY,
-           **kw: object) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, **kw)]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: save(case, tmp_path_factory.mktemp(name), **over) for name, (case, over) in CASES.items()}
+from tests.parallel.conftest import CASES, GREEDY, KW, PROMPTS, tokens
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -55,6 +31,22 @@ def test_two_workers_give_the_tokens_of_one(models: dict[str, Path], name: str) 
         runner = llm.engine.runner
         assert len(set(runner.pids)) == 2 and os.getpid() not in runner.pids
         assert tokens(llm) == one
+        assert [allreduce(c) for c in runner.worker_kernel_choices] == [("shm", "default")] * 2
+
+
+def allreduce(choices: list[KernelChoice]) -> tuple[str, str]:
+    (c,) = [c for c in choices if c.role == "tp_allreduce"]
+    return c.choice, c.source
+
+
+def test_gloo_gives_the_same_tokens(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVSERVE_TP_ALLREDUCE=gloo: the fallback the shared-memory sum replaces (and nccl's shape)."""
+    path = str(models["llama-gqa-bias"])
+    one = tokens(LLM(path, kv_cache_memory="2MiB", **KW))
+    monkeypatch.setenv(ENV, "gloo")  # the workers inherit it
+    with LLM(path, kv_cache_memory="1MiB", tensor_parallel_size=2, **KW) as llm:
+        assert tokens(llm) == one
+        assert [allreduce(c) for c in llm.engine.runner.worker_kernel_choices] == [("gloo", "forced")] * 2
 
 
 def test_preemption_prefix_hits_drafts_sessions_and_block_scores_match(models: dict[str, Path]) -> None:
