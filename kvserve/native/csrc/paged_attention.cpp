@@ -163,6 +163,53 @@ void load_rows(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t t0
   }
 }
 
+// One task's query rows: (sequence s, KV head h, query tokens i0..i1-1), rows ordered (query
+// token, head in group): row r = (i - i0) * g + j. Fills Q (scaled), qpos, and the accumulators.
+struct Task {
+  int64_t h, s, i0, i1, rows, w, lo, hi;  // keys lo..hi-1 are visible to some row
+};
+
+template <typename T>
+Task begin_task(int64_t task, const std::vector<int64_t>& tile0, int64_t kvh, int64_t g, int64_t heads, int64_t d,
+                int64_t q_tile, const T* qp, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
+                const int64_t* window, float scale, float* Q, int64_t* qpos, float* acc, float* m, float* l) {
+  Task t;
+  t.h = task % kvh;
+  const int64_t tile = task / kvh;
+  t.s = static_cast<int64_t>(std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin()) - 1;
+  t.i0 = (tile - tile0[t.s]) * q_tile;
+  t.i1 = std::min(q_len[t.s], t.i0 + q_tile);
+  t.rows = (t.i1 - t.i0) * g;
+  t.w = window[t.s];
+  const int64_t first_q = seq_len[t.s] - q_len[t.s];
+  for (int64_t i = t.i0; i < t.i1; ++i) {
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - t.i0) * g + j;
+      const T* src = qp + ((q_start[t.s] + i) * heads + t.h * g + j) * d;
+      for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
+      qpos[r] = first_q + i;
+    }
+  }
+  std::fill(acc, acc + t.rows * d, 0.f);
+  std::fill(m, m + t.rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + t.rows, 0.f);
+  t.hi = first_q + t.i1;
+  t.lo = t.w > 0 ? std::max<int64_t>(0, first_q + t.i0 - t.w + 1) : 0;
+  return t;
+}
+
+// out rows of the task: acc / l (0 where no key was visible).
+template <typename T>
+void end_task(const Task& t, int64_t g, int64_t heads, int64_t d, const int64_t* q_start, const float* acc,
+              const float* l, T* op) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t i = t.i0 + r / g, j = r % g;
+    T* dst = op + ((q_start[t.s] + i) * heads + t.h * g + j) * d;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[r * d + e] * inv);
+  }
+}
+
 // The scalar path (any head_dim, any CPU; also the reference the tiled path is tested against).
 // DC > 0: head_dim known at compile time (64, 128), so the dot products and the V accumulation
 // have constant trip counts and vectorize fully; DC = 0: any head_dim.
@@ -185,25 +232,9 @@ void run_scalar(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_sta
     std::vector<float> K(bs * d), V(bs * d), S(max_rows * bs);
     std::vector<int64_t> qpos(max_rows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % kvh, tile = task / kvh;
-      const int64_t s = static_cast<int64_t>(std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin()) - 1;
-      const int64_t i0 = (tile - tile0[s]) * q_tile, i1 = std::min(q_len[s], i0 + q_tile);
-      const int64_t nq = i1 - i0, rows = nq * g, L = seq_len[s], w = window[s];
-      const int64_t first_q = L - q_len[s];
-      // Rows ordered (query token, head in group): row r = (i - i0) * g + j.
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - i0) * g + j;
-          const T* src = qp + ((q_start[s] + i) * heads + h * g + j) * d;
-          for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
-          qpos[r] = first_q + i;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
-      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + rows, 0.f);
-      const int64_t hi = first_q + i1;                                    // keys < hi
-      const int64_t lo = w > 0 ? std::max<int64_t>(0, first_q + i0 - w + 1) : 0;
+      const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
+                                 Q.data(), qpos.data(), acc.data(), m.data(), l.data());
+      const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
       const int64_t* table = tables + s * table_stride;
       for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
         const int64_t b = table[blk];
@@ -247,12 +278,7 @@ void run_scalar(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_sta
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r / g, j = r % g;
-        T* dst = op + ((q_start[s] + i) * heads + h * g + j) * d;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[r * d + e] * inv);
-      }
+      end_task(tk, g, heads, d, q_start, acc.data(), l.data(), op);
     }
   });
 }
@@ -545,24 +571,9 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
     const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % kvh, tile = task / kvh;
-      const int64_t s = static_cast<int64_t>(std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin()) - 1;
-      const int64_t i0 = (tile - tile0[s]) * q_tile, i1 = std::min(q_len[s], i0 + q_tile);
-      const int64_t nq = i1 - i0, rows = nq * g, L = seq_len[s], w = window[s];
-      const int64_t first_q = L - q_len[s];
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - i0) * g + j;
-          const T* src = qp + ((q_start[s] + i) * heads + h * g + j) * d;
-          for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
-          qpos[r] = first_q + i;
-        }
-      }
-      std::fill(O.begin(), O.begin() + rows * d, 0.f);
-      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + rows, 0.f);
-      const int64_t hi = first_q + i1;
-      const int64_t lo = w > 0 ? std::max<int64_t>(0, first_q + i0 - w + 1) : 0;
+      const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
+                                 Q.data(), qpos.data(), O.data(), m.data(), l.data());
+      const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
       const int64_t* table = tables + s * table_stride;
       for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
         const int64_t b = table[blk];
@@ -619,12 +630,7 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
           pv_rows(P.data(), V.data(), nt, rows, d, O.data());
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r / g, j = r % g;
-        T* dst = op + ((q_start[s] + i) * heads + h * g + j) * d;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(O[r * d + e] * inv);
-      }
+      end_task(tk, g, heads, d, q_start, O.data(), l.data(), op);
     }
   });
 }
