@@ -16,6 +16,8 @@ order rotates each round so background load hits all codecs alike). Reported per
 
     python benchmarks/kv_quant.py                         # contexts 256,1024,4096; batch 4
     python benchmarks/kv_quant.py --quick                 # batch 2, contexts 256,1024, 4 steps
+    python benchmarks/kv_quant.py --codecs "bf16;int8" --contexts 512,2048 --batch 16 \
+        --kv-cache-memory 536870912 --fill synthetic     # contexts written as random K/V: seconds
 
 The machine is shared and noisy (2 cores, other jobs running): figures are medians, and the
 ratios against bf16 (measured in the same run, interleaved per context) are what to read.
