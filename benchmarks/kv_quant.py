@@ -16,6 +16,8 @@ order rotates each round so background load hits all codecs alike). Reported per
 
     python benchmarks/kv_quant.py                         # contexts 256,1024,4096; batch 4
     python benchmarks/kv_quant.py --quick                 # batch 2, contexts 256,1024, 4 steps
+    python benchmarks/kv_quant.py --codecs "bf16;int8" --contexts 512,2048 --batch 16 \
+        --kv-cache-memory 536870912 --fill synthetic     # contexts written as random K/V: seconds
 
 The machine is shared and noisy (2 cores, other jobs running): figures are medians, and the
 ratios against bf16 (measured in the same run, interleaved per context) are what to read.
@@ -43,6 +45,7 @@ from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.contract import ScheduledChunk, SchedulerOutput
 from kvserve.engine.engine import LLMEngine
 from kvserve.request import Request, RequestStatus
+from kvserve.runner.model_runner import torch_dtype
 from kvserve.sampling_params import SamplingParams
 
 DEFAULT_CODECS = ("bf16", "fp8", "int8", "int4", "k:int8,v:int4")
@@ -55,11 +58,34 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
+class FillKV(torch.nn.Module):
+    """Stands in for the model during a synthetic prefill: writes random K/V (unit normal, model
+    dtype) into every layer through the layer's own ``write`` (so codecs encode as in serving) and
+    returns zero hidden states. Decode timing does not depend on the values, and this fills
+    16 x 2,048 tokens in seconds instead of minutes of prefill."""
+
+    def __init__(self, real: torch.nn.Module, kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.real = real
+        self.kv_heads, self.head_dim, self.hidden, self.dtype = kv_heads, head_dim, hidden, dtype
+
+    def forward(self, input_ids, positions, layers, meta):  # type: ignore[no-untyped-def]
+        from kvserve.kv.layer_kv import as_layer_kv
+
+        t = input_ids.shape[0]
+        for layer in layers:
+            k = torch.randn(t, self.kv_heads, self.head_dim).to(self.dtype)
+            v = torch.randn(t, self.kv_heads, self.head_dim).to(self.dtype)
+            as_layer_kv(layer).write(k, v, meta.slot_mapping)
+        return torch.zeros(t, self.hidden, dtype=self.dtype)
+
+
 class Driver:
     """Feeds ``batch`` sequences through an engine's KV manager and runner directly."""
 
-    def __init__(self, engine: LLMEngine, batch: int, vocab: int, seed: int = 0) -> None:
+    def __init__(self, engine: LLMEngine, batch: int, vocab: int, seed: int = 0, synthetic: bool = False) -> None:
         self.engine = engine
+        self.synthetic = synthetic
         g = torch.Generator().manual_seed(seed)
         self.reqs = [Request(f"b{i}", torch.randint(10, vocab, (1,), generator=g).tolist(),
                              SamplingParams(max_tokens=1)) for i in range(batch)]
@@ -90,8 +116,16 @@ class Driver:
         return dt
 
     def prefill_to(self, context: int, chunk: int = 512) -> None:
-        while self.reqs[0].num_computed_tokens < context:
-            self._step(min(chunk, context - self.reqs[0].num_computed_tokens), logits=False)
+        runner = self.engine.runner
+        real = runner.model
+        if self.synthetic:
+            c = self.engine.model_config
+            runner.model = FillKV(real, c.num_key_value_heads, c.head_dim, c.hidden_size, torch_dtype(c.dtype))
+        try:
+            while self.reqs[0].num_computed_tokens < context:
+                self._step(min(chunk, context - self.reqs[0].num_computed_tokens), logits=False)
+        finally:
+            runner.model = real
 
     def decode(self, steps: int) -> list[float]:
         return [self._step(1, logits=True) for _ in range(steps)]
@@ -160,10 +194,12 @@ def make_engines(model: Path, codecs: list[str], contexts: list[int], batch: int
     return engines
 
 
-def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, steps: int) -> dict[str, dict[str, object]]:
+def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, steps: int,
+            synthetic: bool = False) -> dict[str, dict[str, object]]:
     """Per context: prefill every codec's sequences, then decode round-robin across codecs (the
     order rotates each round), so load from other jobs hits every codec alike."""
-    drivers = {c: Driver(e, batch, min(e.model_config.vocab_size, 50000)) for c, e in engines.items()}
+    drivers = {c: Driver(e, batch, min(e.model_config.vocab_size, 50000), synthetic=synthetic)
+               for c, e in engines.items()}
     results: dict[str, dict[str, object]] = {}
     for codec, e in engines.items():
         cap = e.capacity
@@ -233,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
                          "kvserve, OpenMP no longer spins against the GEMM shard threads)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or native")
+    ap.add_argument("--fill", choices=("model", "synthetic"), default="model",
+                    help="model: prefill the contexts through the model; synthetic: write random K/V "
+                         "through each layer's cache write (seconds instead of minutes; decode unchanged)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "kv_quant.json")
     a = ap.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
@@ -245,13 +284,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     engines = make_engines(model, codecs, contexts, a.batch, a.steps, a.kv_cache_memory, a.threads,
                            a.attention_backend)
-    results = run_all(engines, contexts, a.batch, a.steps)
+    results = run_all(engines, contexts, a.batch, a.steps, synthetic=a.fill == "synthetic")
     add_ratios(results, "bf16")
     print(table(results, contexts))
     from kvserve.bench.machine import cpu_info
     from kvserve.native.choices import choices
 
-    doc = {"model": str(model), "cpu": cpu_info(), "attention_backend": a.attention_backend,
+    doc = {"model": str(model), "cpu": cpu_info(), "attention_backend": a.attention_backend, "fill": a.fill,
            "attention_choices": [c.__dict__ for c in choices()], "batch": a.batch, "steps": a.steps, "contexts": contexts,
            "threads": torch.get_num_threads(), "wall_s": round(time.time() - t0, 1), "codecs": results}
     a.json.parent.mkdir(parents=True, exist_ok=True)

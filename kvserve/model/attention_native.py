@@ -38,6 +38,10 @@ _FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
 # each decoded block, few enough that the scratch stays in L1/L2 and causal tiles balance.
 Q_TILE = 8
+# Which kernel path: 0 the tiled one (AVX2 + FMA, head_dim a multiple of 8; register-blocked
+# scores and V sums over 16-key tiles) where the build has it, else the scalar one; 1 always the
+# scalar one (tests compare both against the reference).
+IMPL = 0
 
 
 def native_module() -> ModuleType | None:
@@ -154,7 +158,7 @@ def run_kernel(mod: ModuleType, q: torch.Tensor, out: torch.Tensor, plan: Native
     """Fill ``out``'s rows of ``plan.seqs`` (q, out contiguous ``[T, H, D]``)."""
     mod.paged_attention(q, out, plan.q_start, plan.q_len, plan.seq_len, plan.window, plan.tables, scale,
                         block_size, kv_heads, src.k_base, src.k_params, src.v_base, src.v_params, *src.shadow,
-                        Q_TILE)
+                        Q_TILE, IMPL)
 
 
 class NativePagedBackend:

@@ -65,6 +65,25 @@ def unavailable_reason(name: str) -> str | None:
     return _why.get(name)
 
 
+def _staged(paths: list[Path], build: Path) -> list[Path]:
+    """Copies of ``paths`` inside ``build/src`` (written once: the key hashes their content).
+    Building from there keeps ninja's commands the same for every checkout of the repository, so
+    two worktrees with the same sources share one build instead of rebuilding in turn (ninja
+    rebuilds when a command's source path changes)."""
+    src = build / "src"
+    src.mkdir(exist_ok=True)
+    staged = []
+    for p in paths:
+        dst = src / p.name
+        data = p.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = src / f".{p.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+        staged.append(dst)
+    return staged
+
+
 def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | None:
     if not enabled():
         _why[name] = "KVSERVE_NATIVE=0"
@@ -85,7 +104,7 @@ def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | 
     build = cache_dir() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
     try:
-        mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in paths],
+        mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in _staged(paths, build)],
                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                  build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"

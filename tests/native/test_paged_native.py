@@ -8,6 +8,7 @@ fallbacks: KVSERVE_NATIVE=0, sequences with sinks/scores, a pool holding two cod
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,16 @@ D, BS, NB = 8, 4, 96
 
 pytestmark = pytest.mark.skipif(native_module() is None, reason=f"no native kernel: "
                                 f"{attention_native.unavailable_reason()}")
+
+
+@pytest.fixture(params=["tiled", "scalar"])
+def impl(request, monkeypatch):
+    """Both kernel paths: the tiled one (AVX2 + FMA builds, head_dim % 8 == 0; skipped where the
+    build lacks it) and the scalar one."""
+    if request.param == "tiled" and not native_module().tiled_available():
+        pytest.skip("this build has no tiled path (no AVX2 + FMA)")
+    monkeypatch.setattr(attention_native, "IMPL", 0 if request.param == "tiled" else 1)
+    return request.param
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -97,7 +108,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("heads,kvh", [(2, 2), (4, 2), (7, 1), (14, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("case", list(CASES))
-def test_plain_pool_matches_reference_and_torch_path(case, window, heads, kvh, dtype):
+def test_plain_pool_matches_reference_and_torch_path(case, window, heads, kvh, dtype, impl):
     out, torch_out, refs, qsl = run_plain(CASES[case], heads, kvh, window, dtype, share=True)
     assert not out.isnan().any()
     for i, ref in enumerate(refs):
@@ -108,12 +119,25 @@ def test_plain_pool_matches_reference_and_torch_path(case, window, heads, kvh, d
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_head_dims_with_a_compiled_width(d, dtype):
+def test_head_dims_with_a_compiled_width(d, dtype, impl):
     """head_dim 64 and 128 run the kernel instantiated for that width (the others a generic one)."""
     out, torch_out, refs, qsl = run_plain(CASES["prefill-chunks"], 14, 2, 5, dtype, share=True, d=d)
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(out.float(), torch_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("bs", [16, 40])
+@pytest.mark.parametrize("d", [8, 24])
+def test_blocks_of_one_and_several_key_tiles(bs, d, impl, monkeypatch):
+    """Block size 16 (one 16-key tile per block) and 40 (tiles of 16, 16, 8 inside a block),
+    head_dim 8 and 24 (the 8-wide tail of the V sums), a window that starts inside a tile."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", bs)
+    specs = [(70, 1), (3, 1), (45, 9), (0, 20), (81, 1)]
+    for window in (None, 23):
+        out, _, refs, qsl = run_plain(specs, 14, 2, window, torch.float32, share=True, d=d)
+        for i, ref in enumerate(refs):
+            torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], ref, atol=1e-5, rtol=1e-5, msg=f"sequence {i}")
 
 
 def test_shared_blocks_are_read_by_every_sequence():
@@ -186,7 +210,7 @@ CODEC_SPECS = [(3, 1), (17, 1), (6, 9), (0, 5), (22, 1)]
 @pytest.mark.parametrize("pool", ["int8", "fp8", "int4", "k:int8,v:fp8", "k:int4,v:int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kvh,window", [(4, 2, None), (7, 1, 5), (2, 2, None)])
-def test_codec_pool_matches_reference_and_torch_path(pool, dtype, heads, kvh, window):
+def test_codec_pool_matches_reference_and_torch_path(pool, dtype, heads, kvh, window, impl):
     int4 = "int4" in pool
     s = storage(pool, dtype, kvh, window_blocks=48 if int4 else 0, sinks=2 if int4 else 0)
     out, torch_out, refs, qsl, src = drive(s, CODEC_SPECS, heads, window)
@@ -211,7 +235,7 @@ def test_a_per_layer_map_is_read_with_each_layers_own_codecs(layer_index):
 
 
 @pytest.mark.parametrize("pool", ["int8", "fp8", "int4"])
-def test_codecs_at_head_dim_64(pool):
+def test_codecs_at_head_dim_64(pool, impl):
     s = storage(pool, torch.bfloat16, 2, window_blocks=48 if pool == "int4" else 0, d=64)
     out, torch_out, refs, qsl, src = drive(s, CODEC_SPECS, 14, None)
     assert src is not None
@@ -220,7 +244,7 @@ def test_codecs_at_head_dim_64(pool):
     torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_short_sequences_read_their_shadows():
+def test_short_sequences_read_their_shadows(impl):
     """kv_quant_min_tokens: a sequence shorter than it reads full-precision shadows, a longer one
     its int8 blocks; the kernel reads both kinds in one call."""
     s = storage("int8", torch.float32, 2, window_blocks=48, min_tokens=12)

@@ -29,6 +29,11 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSERVE_AVX2 1
+#endif
+
 namespace {
 
 inline float bf16_to_f(uint16_t v) {
@@ -158,10 +163,58 @@ void load_rows(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t t0
   }
 }
 
+// One task's query rows: (sequence s, KV head h, query tokens i0..i1-1), rows ordered (query
+// token, head in group): row r = (i - i0) * g + j. Fills Q (scaled), qpos, and the accumulators.
+struct Task {
+  int64_t h, s, i0, i1, rows, w, lo, hi;  // keys lo..hi-1 are visible to some row
+};
+
+template <typename T>
+Task begin_task(int64_t task, const std::vector<int64_t>& tile0, int64_t kvh, int64_t g, int64_t heads, int64_t d,
+                int64_t q_tile, const T* qp, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
+                const int64_t* window, float scale, float* Q, int64_t* qpos, float* acc, float* m, float* l) {
+  Task t;
+  t.h = task % kvh;
+  const int64_t tile = task / kvh;
+  t.s = static_cast<int64_t>(std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin()) - 1;
+  t.i0 = (tile - tile0[t.s]) * q_tile;
+  t.i1 = std::min(q_len[t.s], t.i0 + q_tile);
+  t.rows = (t.i1 - t.i0) * g;
+  t.w = window[t.s];
+  const int64_t first_q = seq_len[t.s] - q_len[t.s];
+  for (int64_t i = t.i0; i < t.i1; ++i) {
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - t.i0) * g + j;
+      const T* src = qp + ((q_start[t.s] + i) * heads + t.h * g + j) * d;
+      for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
+      qpos[r] = first_q + i;
+    }
+  }
+  std::fill(acc, acc + t.rows * d, 0.f);
+  std::fill(m, m + t.rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + t.rows, 0.f);
+  t.hi = first_q + t.i1;
+  t.lo = t.w > 0 ? std::max<int64_t>(0, first_q + t.i0 - t.w + 1) : 0;
+  return t;
+}
+
+// out rows of the task: acc / l (0 where no key was visible).
+template <typename T>
+void end_task(const Task& t, int64_t g, int64_t heads, int64_t d, const int64_t* q_start, const float* acc,
+              const float* l, T* op) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t i = t.i0 + r / g, j = r % g;
+    T* dst = op + ((q_start[t.s] + i) * heads + t.h * g + j) * d;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[r * d + e] * inv);
+  }
+}
+
+// The scalar path (any head_dim, any CPU; also the reference the tiled path is tested against).
 // DC > 0: head_dim known at compile time (64, 128), so the dot products and the V accumulation
 // have constant trip counts and vectorize fully; DC = 0: any head_dim.
 template <typename T, int DC>
-void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
+void run_scalar(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
          const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
          int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
          const Shadow& shk, const Shadow& shv, int64_t q_tile) {
@@ -179,25 +232,9 @@ void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, con
     std::vector<float> K(bs * d), V(bs * d), S(max_rows * bs);
     std::vector<int64_t> qpos(max_rows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % kvh, tile = task / kvh;
-      const int64_t s = static_cast<int64_t>(std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin()) - 1;
-      const int64_t i0 = (tile - tile0[s]) * q_tile, i1 = std::min(q_len[s], i0 + q_tile);
-      const int64_t nq = i1 - i0, rows = nq * g, L = seq_len[s], w = window[s];
-      const int64_t first_q = L - q_len[s];
-      // Rows ordered (query token, head in group): row r = (i - i0) * g + j.
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - i0) * g + j;
-          const T* src = qp + ((q_start[s] + i) * heads + h * g + j) * d;
-          for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
-          qpos[r] = first_q + i;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
-      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + rows, 0.f);
-      const int64_t hi = first_q + i1;                                    // keys < hi
-      const int64_t lo = w > 0 ? std::max<int64_t>(0, first_q + i0 - w + 1) : 0;
+      const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
+                                 Q.data(), qpos.data(), acc.data(), m.data(), l.data());
+      const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
       const int64_t* table = tables + s * table_stride;
       for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
         const int64_t b = table[blk];
@@ -241,15 +278,364 @@ void run(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, con
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r / g, j = r % g;
-        T* dst = op + ((q_start[s] + i) * heads + h * g + j) * d;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[r * d + e] * inv);
-      }
+      end_task(tk, g, heads, d, q_start, acc.data(), l.data(), op);
     }
   });
 }
+
+#ifdef KVSERVE_AVX2
+// ---- The tiled path (AVX2 + FMA, head_dim a multiple of 8) ----------------------------------
+// Keys are taken KT = 16 at a time (a block of 16, or a block's part). Per tile: K's rows are
+// decoded into fp32 rows and transposed (8x8 shuffles) to Kt [d][KT], so the scores of R query
+// rows are R x 2 vector accumulators over head_dim (keys in lanes: no horizontal sum per key);
+// V's rows are decoded into [KT][d] and summed as R x 16-wide accumulators. For int8 and fp8 the
+// rows hold the codes (fp8: the e4m3 value) and the per-token scale is applied to the 16 scores
+// (K) and to the 16 probabilities (V) instead of to every element.
+constexpr int64_t KT = 16;
+
+inline __m256 exp_ps(__m256 x) {  // fast_exp, 8 lanes
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+  return _mm_cvtss_f32(a);
+}
+
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
+  return _mm_cvtss_f32(a);
+}
+
+// dst[j * dstride + i] = src[i * sstride + j] for an 8 x 8 tile.
+inline void transpose8(const float* src, int64_t sstride, float* dst, int64_t dstride) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * sstride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dstride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dstride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+
+// One row of d (a multiple of 8) elements to fp32: bf16, fp16, fp32, int8 codes, fp8 values.
+inline void decode_row(int64_t kind, const uint8_t* p, int64_t d, float* o) {
+  switch (kind) {
+    case 0:
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+        _mm256_storeu_ps(o + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+      }
+      break;
+    case 1:
+#ifdef __F16C__
+      for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+#else
+      load_float_row(1, p, d, o);
+#endif
+      break;
+    case 2:
+      std::memcpy(o, p, d * sizeof(float));
+      break;
+    case 3:
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+        _mm256_storeu_ps(o + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
+      }
+      break;
+    case 4:
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)));
+        const __m256i u = _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32(static_cast<int32_t>(0x87F00000u)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(1.329227995784916e36f)));
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+// Rows t0..t1-1 of block b, head h, into out[(t - t0) * d + i], and each row's scale into
+// rsc[t - t0]: the int8/fp8 rows hold codes (x = code * rsc), every other row its values (rsc 1).
+void load_codes(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t bs,
+                int64_t kvh, int64_t d, float* out, float* rsc) {
+  const uint8_t* blk = s.base + b * s.block_stride;
+  int64_t shadow_rows = 0;
+  const uint8_t* sbase = nullptr;
+  if (sh.base != nullptr && sh.has[b]) {
+    shadow_rows = sh.rows[b];
+    sbase = sh.base + sh.slot[b] * bs * kvh * d * float_size(sh.kind);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + (t - t0) * d;
+    const int64_t th = t * kvh + h;
+    rsc[t - t0] = 1.f;
+    if (t < shadow_rows) {
+      decode_row(sh.kind, sbase + th * d * float_size(sh.kind), d, o);
+    } else if (s.kind <= 2) {
+      decode_row(s.kind, blk + th * d * float_size(s.kind), d, o);
+    } else if (s.kind == 3 || s.kind == 4) {
+      decode_row(s.kind, blk + s.q_off + th * d, d, o);
+      rsc[t - t0] = reinterpret_cast<const float*>(blk + s.scale_off)[th];
+    } else {
+      load_rows(s, sh, b, h, t, t + 1, bs, kvh, d, o);  // int4: decoded values
+    }
+  }
+}
+
+// The R-row microkernels keep their accumulators in named variables (rows 0..5, unused ones
+// compiled out by `if (R > r)`): GCC keeps an array of vectors in registers but also stores it
+// to the stack on every iteration.
+#define KVSERVE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+// Asks for head h's rows t0..t1-1 of block b (codes and scales), one prefetch per cache line:
+// the blocks of a table are scattered, so the hardware prefetchers do not see the next one
+// coming and a tile would otherwise wait on each of its lines in turn.
+inline void prefetch_line(const uint8_t* p) {
+  // An asm statement: GCC dropped __builtin_prefetch / _mm_prefetch inside this file's kernel
+  // (none reached the object code), this one it keeps.
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+}
+
+inline void prefetch_rows(const Side& s, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t kvh, int64_t d) {
+  const uint8_t* blk = s.base + b * s.block_stride;
+  int64_t row, off;
+  if (s.kind <= 2) {
+    row = d * float_size(s.kind);
+    off = 0;
+  } else if (s.kind <= 4) {
+    row = d;
+    off = s.q_off;
+    for (int64_t x = t0 * kvh * 4; x < t1 * kvh * 4; x += 64) prefetch_line(blk + s.scale_off + x);
+  } else {
+    row = d / 2;
+    off = s.q_off;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* p = blk + off + (t * kvh + h) * row;
+    for (int64_t x = 0; x < row; x += 64) prefetch_line(p + x);
+  }
+}
+
+// S[r][0..KT) = Q[r] . Kt[:, 0..KT) for R rows (Q rows d apart, S rows KT apart).
+template <int R>
+inline void qk_tile(const float* Q, int64_t d, const float* Kt, float* S) {
+#define KVSERVE_DECL(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
+  KVSERVE_ROWS(KVSERVE_DECL)
+#undef KVSERVE_DECL
+  for (int64_t e = 0; e < d; ++e) {
+    const __m256 k0 = _mm256_loadu_ps(Kt + e * KT), k1 = _mm256_loadu_ps(Kt + e * KT + 8);
+#define KVSERVE_FMA(r)                                     \
+  if (R > r) {                                             \
+    const __m256 qb = _mm256_broadcast_ss(Q + r * d + e);  \
+    a##r##0 = _mm256_fmadd_ps(qb, k0, a##r##0);            \
+    a##r##1 = _mm256_fmadd_ps(qb, k1, a##r##1);            \
+  }
+    KVSERVE_ROWS(KVSERVE_FMA)
+#undef KVSERVE_FMA
+  }
+#define KVSERVE_STORE(r)                         \
+  if (R > r) {                                   \
+    _mm256_storeu_ps(S + r * KT, a##r##0);       \
+    _mm256_storeu_ps(S + r * KT + 8, a##r##1);   \
+  }
+  KVSERVE_ROWS(KVSERVE_STORE)
+#undef KVSERVE_STORE
+}
+
+// O[r] += sum_t P[r][t] V[t] for R rows, t < nt (O rows d apart, P rows KT apart).
+template <int R>
+inline void pv_tile(const float* P, const float* V, int64_t nt, int64_t d, float* O) {
+  int64_t e0 = 0;
+  for (; e0 + 16 <= d; e0 += 16) {
+#define KVSERVE_DECL(r)                                                     \
+  __m256 a##r##0 = R > r ? _mm256_loadu_ps(O + r * d + e0) : _mm256_setzero_ps(), \
+         a##r##1 = R > r ? _mm256_loadu_ps(O + r * d + e0 + 8) : _mm256_setzero_ps();
+    KVSERVE_ROWS(KVSERVE_DECL)
+#undef KVSERVE_DECL
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(V + t * d + e0), v1 = _mm256_loadu_ps(V + t * d + e0 + 8);
+#define KVSERVE_FMA(r)                                     \
+  if (R > r) {                                             \
+    const __m256 pb = _mm256_broadcast_ss(P + r * KT + t); \
+    a##r##0 = _mm256_fmadd_ps(pb, v0, a##r##0);            \
+    a##r##1 = _mm256_fmadd_ps(pb, v1, a##r##1);            \
+  }
+      KVSERVE_ROWS(KVSERVE_FMA)
+#undef KVSERVE_FMA
+    }
+#define KVSERVE_STORE(r)                            \
+  if (R > r) {                                      \
+    _mm256_storeu_ps(O + r * d + e0, a##r##0);      \
+    _mm256_storeu_ps(O + r * d + e0 + 8, a##r##1);  \
+  }
+    KVSERVE_ROWS(KVSERVE_STORE)
+#undef KVSERVE_STORE
+  }
+  if (e0 < d) {  // d % 16 == 8
+#define KVSERVE_DECL(r) __m256 a##r = R > r ? _mm256_loadu_ps(O + r * d + e0) : _mm256_setzero_ps();
+    KVSERVE_ROWS(KVSERVE_DECL)
+#undef KVSERVE_DECL
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(V + t * d + e0);
+#define KVSERVE_FMA(r) \
+  if (R > r) a##r = _mm256_fmadd_ps(_mm256_broadcast_ss(P + r * KT + t), v0, a##r);
+      KVSERVE_ROWS(KVSERVE_FMA)
+#undef KVSERVE_FMA
+    }
+#define KVSERVE_STORE(r) \
+  if (R > r) _mm256_storeu_ps(O + r * d + e0, a##r);
+    KVSERVE_ROWS(KVSERVE_STORE)
+#undef KVSERVE_STORE
+  }
+}
+#undef KVSERVE_ROWS
+
+// Rows in near-equal chunks of at most 6 (12 accumulators + 2 loads + a broadcast: 15 of the 16
+// ymm registers); fn(r0, n) runs the n-row instance.
+template <typename F>
+inline void row_chunks(int64_t rows, F&& fn) {
+  const int64_t chunks = (rows + 5) / 6, per = (rows + chunks - 1) / chunks;
+  for (int64_t r0 = 0; r0 < rows; r0 += per) fn(r0, std::min(per, rows - r0));
+}
+
+#define KVSERVE_TILE_CASES(CALL) \
+  switch (n) {                   \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    case 4: CALL(4); break;      \
+    case 5: CALL(5); break;      \
+    default: CALL(6); break;     \
+  }
+
+inline void qk_rows(const float* Q, int64_t rows, int64_t d, const float* Kt, float* S) {
+  row_chunks(rows, [&](int64_t r0, int64_t n) {
+#define KVSERVE_QK(R) qk_tile<R>(Q + r0 * d, d, Kt, S + r0 * KT)
+    KVSERVE_TILE_CASES(KVSERVE_QK)
+#undef KVSERVE_QK
+  });
+}
+
+inline void pv_rows(const float* P, const float* V, int64_t nt, int64_t rows, int64_t d, float* O) {
+  row_chunks(rows, [&](int64_t r0, int64_t n) {
+#define KVSERVE_PV(R) pv_tile<R>(P + r0 * KT, V, nt, d, O + r0 * d)
+    KVSERVE_TILE_CASES(KVSERVE_PV)
+#undef KVSERVE_PV
+  });
+}
+
+template <typename T>
+void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
+               const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
+               int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
+               const Shadow& shk, const Shadow& shv, int64_t q_tile) {
+  const int64_t heads = q.size(1), g = heads / kvh, d = q.size(2);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<int64_t> tile0(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) tile0[s + 1] = tile0[s] + (q_len[s] + q_tile - 1) / q_tile;
+  const int64_t tasks = tile0[num_seqs] * kvh;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = g * q_tile;
+    std::vector<float> Q(max_rows * d), O(max_rows * d), m(max_rows), l(max_rows);
+    std::vector<float> Kr(KT * d, 0.f), Kt(d * KT), V(KT * d), S(max_rows * KT), P(max_rows * KT);
+    float ksc[KT], vsc[KT];
+    std::vector<int64_t> qpos(max_rows);
+    const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t task = begin; task < end; ++task) {
+      const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
+                                 Q.data(), qpos.data(), O.data(), m.data(), l.data());
+      const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
+      const int64_t* table = tables + s * table_stride;
+      for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+        const int64_t b = table[blk];
+        const int64_t t0 = std::max(lo - blk * bs, int64_t(0)), t1 = std::min(hi - blk * bs, bs);
+        if ((blk + 1) * bs < hi) {  // the next block's rows, while this one is computed
+          const int64_t nb = table[blk + 1], n1 = std::min(hi - (blk + 1) * bs, bs);
+          prefetch_rows(ks, nb, h, 0, n1, kvh, d);
+          prefetch_rows(vs, nb, h, 0, n1, kvh, d);
+        }
+        for (int64_t c0 = t0; c0 < t1; c0 += KT) {
+          const int64_t nt = std::min(t1 - c0, KT), kpos0 = blk * bs + c0;
+          load_codes(ks, shk, b, h, c0, c0 + nt, bs, kvh, d, Kr.data(), ksc);
+          load_codes(vs, shv, b, h, c0, c0 + nt, bs, kvh, d, V.data(), vsc);
+          if (nt < KT) {  // padding keys: zero rows and scales (their scores are masked anyway)
+            std::fill(Kr.begin() + nt * d, Kr.end(), 0.f);
+            std::fill(ksc + nt, ksc + KT, 0.f);
+          }
+          for (int64_t tb = 0; tb < KT; tb += 8)
+            for (int64_t e = 0; e < d; e += 8) transpose8(Kr.data() + tb * d + e, d, Kt.data() + e * KT + tb, KT);
+          qk_rows(Q.data(), rows, d, Kt.data(), S.data());
+          const __m256 k0 = _mm256_loadu_ps(ksc), k1 = _mm256_loadu_ps(ksc + 8);
+          const __m256 v0s = _mm256_loadu_ps(vsc), v1s = _mm256_loadu_ps(vsc + 8);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t qp_r = qpos[r];
+            const int64_t a = w > 0 ? std::max<int64_t>(0, qp_r - w + 1 - kpos0) : 0;
+            const int64_t z = std::min<int64_t>(nt, qp_r - kpos0 + 1);
+            float* pr = P.data() + r * KT;
+            if (a >= z) {
+              _mm256_storeu_ps(pr, _mm256_setzero_ps());
+              _mm256_storeu_ps(pr + 8, _mm256_setzero_ps());
+              continue;
+            }
+            const __m256 av = _mm256_set1_ps(static_cast<float>(a)), zv = _mm256_set1_ps(static_cast<float>(z));
+            const __m256 mk0 = _mm256_and_ps(_mm256_cmp_ps(iota0, av, _CMP_GE_OQ), _mm256_cmp_ps(iota0, zv, _CMP_LT_OQ));
+            const __m256 mk1 = _mm256_and_ps(_mm256_cmp_ps(iota1, av, _CMP_GE_OQ), _mm256_cmp_ps(iota1, zv, _CMP_LT_OQ));
+            const float* sr = S.data() + r * KT;
+            const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr), k0), mk0);
+            const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), k1), mk1);
+            const float mx = std::max(m[r], hmax(_mm256_max_ps(s0, s1)));
+            const __m256 mxv = _mm256_set1_ps(mx);
+            const __m256 p0 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s0, mxv)), mk0);
+            const __m256 p1 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s1, mxv)), mk1);
+            const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
+            l[r] = l[r] * corr + hsum(_mm256_add_ps(p0, p1));
+            m[r] = mx;
+            if (corr != 1.f) {
+              float* orow = O.data() + r * d;
+              const __m256 cv = _mm256_set1_ps(corr);
+              for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(orow + e, _mm256_mul_ps(_mm256_loadu_ps(orow + e), cv));
+            }
+            _mm256_storeu_ps(pr, _mm256_mul_ps(p0, v0s));
+            _mm256_storeu_ps(pr + 8, _mm256_mul_ps(p1, v1s));
+          }
+          pv_rows(P.data(), V.data(), nt, rows, d, O.data());
+        }
+      }
+      end_task(tk, g, heads, d, q_start, O.data(), l.data(), op);
+    }
+  });
+}
+#undef KVSERVE_TILE_CASES
+#endif  // KVSERVE_AVX2
 
 Side make_side(const torch::Tensor& base, const std::vector<int64_t>& p) {
   TORCH_CHECK(p.size() == 6, "side params: kind, block_stride, scale_off, zero_off, q_off, group");
@@ -265,16 +651,25 @@ int64_t float_kind(const torch::Tensor& t) {
 
 }  // namespace
 
+bool tiled_available() {
+#ifdef KVSERVE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
 // q, out [T, H, D] (same dtype: bf16/fp16/fp32, contiguous). Sequence s attends with its q_len[s]
 // queries at rows q_start[s].. (positions seq_len[s] - q_len[s] ..), window[s] (0 = none), block
 // table row s of ``tables`` [S, n] int64. ``k_base``/``v_base``: any tensor whose storage holds
 // that side's blocks (see the header for the params). ``shadow`` [2, W, bs, kvh, d] or empty.
+// impl: 0 the tiled path where it exists (AVX2 + FMA, head_dim % 8 == 0), else scalar; 1 scalar.
 void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor seq_len, torch::Tensor window, torch::Tensor tables, double scale,
                      int64_t block_size, int64_t kv_heads, torch::Tensor k_base, std::vector<int64_t> k_params,
                      torch::Tensor v_base, std::vector<int64_t> v_params, torch::Tensor shadow,
                      torch::Tensor has_shadow, torch::Tensor shadow_slot, torch::Tensor shadow_rows,
-                     int64_t q_tile) {
+                     int64_t q_tile, int64_t impl) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3, "q/out must be contiguous [T, H, D]");
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out dtypes differ");
   TORCH_CHECK(q.size(1) % kv_heads == 0, "heads must be a multiple of kv_heads");
@@ -303,12 +698,17 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
   const int64_t* tb = tables.data_ptr<int64_t>();
   const int64_t stride = tables.size(1);
   const int64_t d = q.size(2);
-#define KVSERVE_RUN(T, DC) run<T, DC>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, \
-                                    shk, shv, tile)
-#define KVSERVE_DISPATCH(T)                 \
-  if (d == 64) KVSERVE_RUN(T, 64);          \
-  else if (d == 128) KVSERVE_RUN(T, 128);   \
-  else KVSERVE_RUN(T, 0);
+  const bool tiled = impl != 1 && tiled_available() && d % 8 == 0;
+#define KVSERVE_ARGS q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile
+#ifdef KVSERVE_AVX2
+#define KVSERVE_TILED(T) if (tiled) run_tiled<T>(KVSERVE_ARGS); else
+#else
+#define KVSERVE_TILED(T)
+#endif
+#define KVSERVE_DISPATCH(T)                                    \
+  KVSERVE_TILED(T) if (d == 64) run_scalar<T, 64>(KVSERVE_ARGS); \
+  else if (d == 128) run_scalar<T, 128>(KVSERVE_ARGS);           \
+  else run_scalar<T, 0>(KVSERVE_ARGS);
   if (q.scalar_type() == at::kBFloat16) {
     KVSERVE_DISPATCH(at::BFloat16)
   } else if (q.scalar_type() == at::kHalf) {
@@ -318,9 +718,11 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
     KVSERVE_DISPATCH(float)
   }
 #undef KVSERVE_DISPATCH
-#undef KVSERVE_RUN
+#undef KVSERVE_TILED
+#undef KVSERVE_ARGS
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (decode and prefill chunks)");
+  m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
 }

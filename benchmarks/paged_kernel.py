@@ -1,0 +1,136 @@
+"""The native paged-attention kernel alone, per KV codec: its scalar and tiled paths and the torch
+path, one layer of the Qwen2.5-0.5B attention shape (14 heads, 2 KV heads, head_dim 64, block 16).
+
+Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), median µs of:
+
+* ``write``: the layer's K/V write of the step (int8: the encode);
+* ``scalar`` / ``tiled``: the kernel call alone (``attention_native.run_kernel``, IMPL 1 / 0);
+* ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``).
+
+    PYTHONPATH=$PWD python benchmarks/paged_kernel.py            # ~1 min
+    PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --shapes 16x2048+1
+
+Synthetic K/V (unit normal) in shuffled blocks; timing does not depend on the values. Prints a
+table and writes JSON (default ``benchmarks/results/paged_kernel.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvserve.kv.quant import parse_kv_codecs
+from kvserve.kv.storage import KVStorage
+from kvserve.model import attention, attention_native
+from kvserve.model.attention import AttentionMetadata
+
+H, KVH, D, BS = 14, 2, 64, 16
+SHAPES = "1x512+1,1x2048+1,16x512+1,16x2048+1,1x3520+65,1x384+256"
+
+
+def median_us(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def case(codec: str, seqs: int, ctx: int, new: int, dtype: torch.dtype) -> dict[str, Any]:
+    """A one-layer pool holding ``seqs`` contexts of ``ctx`` tokens, the last ``new`` of them
+    this step's (written by the step, as in serving)."""
+    nb = -(-ctx // BS)
+    g = torch.Generator().manual_seed(0)
+    s = KVStorage(num_layers=1, num_blocks=seqs * nb, block_size=BS, kv_heads=KVH, head_dim=D, dtype=dtype,
+                  pool=parse_kv_codecs(codec, "bfloat16"), group_size=BS)
+    perm = torch.randperm(seqs * nb, generator=g)
+    tables = [perm[i * nb:(i + 1) * nb] for i in range(seqs)]
+
+    def slots(a: int, b: int) -> torch.Tensor:
+        return torch.cat([t[p // BS:p // BS + 1] * BS + p % BS for t in tables for p in range(a, b)])
+
+    def begin(a: int, b: int) -> None:
+        s.begin_step([SimpleNamespace(start=a, end=b, block_ids=tuple(int(x) for x in t)) for t in tables],
+                     [None] * seqs)
+
+    if ctx > new:
+        begin(0, ctx - new)
+        n = seqs * (ctx - new)
+        s.layers()[0].write(torch.randn(n, KVH, D, generator=g).to(dtype), torch.randn(n, KVH, D, generator=g).to(dtype),
+                            slots(0, ctx - new))
+        s.end_step()
+    begin(ctx - new, ctx)
+    meta = AttentionMetadata(slots(ctx - new, ctx), [i * new for i in range(seqs + 1)], [ctx] * seqs, tables, BS)
+    kv = torch.randn(seqs * new, KVH, D, generator=g).to(dtype)
+    q = torch.randn(seqs * new, H, D, generator=g).to(dtype)
+    layer = s.layers()[0]
+    layer.write(kv, kv, meta.slot_mapping)
+    return {"storage": s, "layer": layer, "meta": meta, "q": q, "kv": kv}
+
+
+def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:
+    seqs, rest = shape.split("x")
+    ctx, new = (int(x) for x in rest.split("+"))
+    c = case(codec, int(seqs), ctx, new, dtype)
+    mod = attention_native.native_module()
+    layer, meta, q = c["layer"], c["meta"], c["q"]
+    src = attention_native.kv_source(layer)
+    plan = attention_native.plan_native(meta)
+    out = torch.empty_like(q)
+    res = {"write": median_us(lambda: layer.write(c["kv"], c["kv"], meta.slot_mapping), repeats)}
+    if mod is not None and src is not None:
+        for name, impl in (("scalar", 1), ("tiled", 0)):
+            attention_native.IMPL = impl
+            res[name] = median_us(lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
+                                  repeats)
+        attention_native.IMPL = 0
+    tplan = attention.plan_step(meta, layer.shape, q.device)
+    res["torch"] = median_us(lambda: attention.attend_written(q, layer, meta, tplan, D ** -0.5, out), repeats)
+    c["storage"].end_step()
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codecs", default="bf16;int8", help="';'-separated KV codecs")
+    ap.add_argument("--shapes", default=SHAPES, help="SEQSxCONTEXT+NEW, comma-separated")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "paged_kernel.json")
+    a = ap.parse_args(argv)
+    from kvserve.bench.machine import cpu_info
+
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {torch.get_num_threads()}")
+    codecs = [c.strip() for c in a.codecs.split(";") if c.strip()]
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'torch':>9}   (µs)")
+    for codec in codecs:
+        results[codec] = {}
+        for shape in a.shapes.split(","):
+            r = measure(codec, shape, a.repeats, torch.bfloat16)
+            results[codec][shape] = r
+            print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
+                  f"{r.get('tiled', float('nan')):>9.0f} {r['torch']:>9.0f}", flush=True)
+    doc = {"cpu": cpu, "threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
+           "block_size": BS, "dtype": "bfloat16"}, "results": results}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {a.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
