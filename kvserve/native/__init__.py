@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -84,6 +85,20 @@ def _staged(paths: list[Path], build: Path) -> list[Path]:
     return staged
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed one
+
+
+def _clear_stale_lock(build: Path) -> None:
+    """Remove torch's build lock if a killed build left it: torch would wait on it for ever."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale native build lock %s (a build was killed)", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | None:
     if not enabled():
         _why[name] = "KVSERVE_NATIVE=0"
@@ -103,6 +118,7 @@ def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | 
     key = _build_key(name, paths, flags)
     build = cache_dir() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build)
     try:
         mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in _staged(paths, build)],
                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],

@@ -52,3 +52,22 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("KVSERVE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert native.cache_dir() == tmp_path / "x" / "kvserve"
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_is_kept(tmp_path):
+    import os
+    import time
+
+    stale = tmp_path / "old"
+    stale.mkdir()
+    (stale / "lock").write_text("")
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(stale / "lock", (old, old))
+    native._clear_stale_lock(stale)
+    assert not (stale / "lock").exists()  # torch would have waited on it for ever
+    fresh = tmp_path / "building"
+    fresh.mkdir()
+    (fresh / "lock").write_text("")  # another process is building right now
+    native._clear_stale_lock(fresh)
+    assert (fresh / "lock").exists()
+    native._clear_stale_lock(tmp_path / "nothing-here")
