@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvserve.cluster.launch import ClusterConfig, launch_replica_set
@@ -24,6 +25,19 @@ def cluster_engine_config(model: Path, num_blocks: int = 64, **cache: Any) -> En
     return EngineConfig(model=str(model), dtype="float32", device="cpu", seed=0, num_threads=1,
                         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=num_blocks, **cache),
                         scheduler=SchedulerConfig(max_model_len=256))
+
+
+def chat(srv: LiveServer, sid: str, content: str, **extra: Any) -> dict[str, Any]:
+    """One greedy 4-token chat turn of session ``sid`` through the front end."""
+    r = httpx.post(srv.v1 + "/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": content}], "session_id": sid,
+        "temperature": 0, "max_tokens": 4, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def text(reply: dict[str, Any]) -> str:
+    return reply["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
 
 
 def start_cluster(model: Path, cfg: EngineConfig | None = None, router: str = "kv") -> tuple[ReplicaSet, LiveServer]:

@@ -20,7 +20,7 @@ import ray
 
 from kvserve.cluster.replica_set import ReplicaSet
 from kvserve.server.tenants import DEFAULT_TENANT, engine_session_id
-from tests.cluster.conftest import cluster_engine_config, start_cluster
+from tests.cluster.conftest import chat, cluster_engine_config, start_cluster, text
 from tests.server.conftest import LiveServer
 from tests.tiers.conftest import RedisServer
 
@@ -40,17 +40,6 @@ def redis_cluster(cluster_model: Path, tmp_path_factory: pytest.TempPathFactory)
     srv.stop()
     redis.stop()
 
-
-def chat(srv: LiveServer, sid: str, content: str, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(srv.v1 + "/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": content}], "session_id": sid,
-        "temperature": 0, "max_tokens": 4, "ignore_eos": True, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
-
-
-def text(reply: dict[str, Any]) -> str:
-    return reply["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
 
 
 def test_killing_a_replica_mid_conversation_loses_no_conversation(redis_cluster: tuple[ReplicaSet, LiveServer]) -> None:

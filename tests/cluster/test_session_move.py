@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import ray
 
@@ -18,8 +17,8 @@ from kvserve.cluster.launch import launch_replica_set
 from kvserve.cluster.router import RouterConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.tenants import DEFAULT_TENANT, engine_session_id
-from tests.cluster.conftest import RAY, cluster_engine_config
-from tests.server.conftest import LiveServer, start_server
+from tests.cluster.conftest import RAY, chat, cluster_engine_config, text
+from tests.server.conftest import start_server
 
 TURNS = ["hello there my friend", "tell me more about it", "and then?"]
 
@@ -32,18 +31,6 @@ def busy_cluster(cluster_model: Path) -> Iterator[Any]:
     srv = start_server(cluster_model, engine=rs, max_waiting=None)
     yield rs, srv
     srv.stop()
-
-
-def chat(srv: LiveServer, sid: str, content: str, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(srv.v1 + "/chat/completions", timeout=120, json={
-        "model": "tiny", "messages": [{"role": "user", "content": content}], "session_id": sid,
-        "temperature": 0, "max_tokens": 4, "ignore_eos": True, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
-
-
-def text(reply: dict[str, Any]) -> str:
-    return reply["choices"][0]["message"]["content"]  # type: ignore[no-any-return]
 
 
 def occupy(rs: Any, replica: str, n: int) -> list[Any]:
