@@ -14,6 +14,7 @@ import torch
 
 from kvserve.kv.codec_pairs import CodecPair, field_views
 from kvserve.kv.quant import Fields
+from kvserve.native.fused import int8_write
 
 if TYPE_CHECKING:
     from kvserve.kv.storage import KVStorage
@@ -110,6 +111,10 @@ class CodecLayerKV:
         for pid, w in plan.writes.items():
             pair = s.layer_pair(self.layer, pid)
             kw, vw = (k, v) if w.all_rows else (k[w.rows], v[w.rows])
+            if pair.joint and pair.k.name == "int8" and s.device.type == "cpu" and \
+                    int8_write(kw.contiguous(), s._pair_views(self.layer, pid, "k"), w.blocks, w.offsets):
+                int8_write(vw.contiguous(), s._pair_views(self.layer, pid, "v"), w.blocks, w.offsets)
+                continue  # encoded and written in one native call per side
             if pair.joint:  # one encode for K and V together
                 both = pair.k.encode_tokens(torch.cat((kw, vw)))
                 n = kw.shape[0]

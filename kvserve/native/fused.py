@@ -103,3 +103,16 @@ def silu_mul(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = Non
             or (gu.dtype != r and gu.dtype != torch.float32)):
         return silu_mul_reference(gu, width, round_dtype)
     return ext.silu_mul(gu, width, _ROUND_CODE[r])  # type: ignore[no-any-return]
+
+
+def int8_write(x: torch.Tensor, views: dict[str, torch.Tensor], blocks: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Encode ``x [T, kv_heads, head_dim]`` as :class:`~kvserve.kv.quant.Int8Codec` does and write
+    it to slots ``(blocks, offsets)`` of its field ``views`` (``scale``, ``q``), the codes bit for
+    bit torch's. False (nothing written) where the kernel cannot run: the caller encodes in torch."""
+    ext = _native(x)
+    scale, q = views.get("scale"), views.get("q")
+    if (ext is None or scale is None or q is None or not x.is_contiguous() or x.dim() != 3
+            or blocks.dtype != torch.int64 or offsets.dtype != torch.int64):
+        return False
+    ext.int8_write(x, scale, q, blocks.contiguous(), offsets.contiguous())
+    return True

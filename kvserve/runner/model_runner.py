@@ -32,6 +32,7 @@ from kvserve.kv.tiers.stack import TierStack
 from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
 from kvserve.model.attention_choice import CHOICES, select_backend
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.native.fused import _ext as fused_ops_module
 from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.inputs import ModelInputs, build_inputs
 from kvserve.runner.peers import PeerHub
@@ -65,6 +66,8 @@ class ModelRunner:
                 dtype=torch_dtype(model_config.dtype), device=device)
         else:
             self.attention = get_backend(attention_backend)
+        if device.type == "cpu":
+            fused_ops_module()  # built (or loaded) now, at start-up, not on the first request
         self._tokenizer_path = tokenizer_path  # loaded on the first response_format request
         self._tokenizer: Any = None
         self.tiers = tiers

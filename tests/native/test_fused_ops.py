@@ -97,3 +97,41 @@ def test_tensors_that_want_a_gradient_take_the_reference(ext) -> None:  # type: 
     w = torch.ones(32)
     fused.rms_norm(x, w, 1e-6).sum().backward()
     assert x.grad is not None
+
+
+def int8_regions(nb: int, bs: int, kvh: int, d: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from kvserve.kv.codec_pairs import field_views
+    from kvserve.kv.quant import Int8Codec
+
+    specs = Int8Codec().fields(bs, kvh, d)
+    offs = [0, specs[0].nbytes]
+    region = torch.zeros(nb, sum(f.nbytes for f in specs) + 8, dtype=torch.uint8)  # + 8: a row is wider
+    return region, field_views(region, tuple(zip(specs, offs, strict=True)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_write_is_the_codecs_encode_and_scatter_bit_for_bit(ext, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    from kvserve.kv.layer_kv import put_tokens
+    from kvserve.kv.quant import Int8Codec
+
+    t, kvh, d = 7, 2, 64
+    x = (rand(t, kvh, d, dtype=dtype) * 3).to(dtype)
+    x[1, 0] = 0  # amax 0: the floor scale, all-zero codes
+    x[2, 1, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5]).to(dtype)  # ties at x/scale = k + 0.5: half to even
+    x[3, 0] *= 1000
+    blocks = torch.tensor([5, 0, 3, 3, 9, 1, 5])
+    offsets = torch.tensor([0, 2, 1, 3, 2, 0, 3])
+    mine, views = int8_regions(10, 4, kvh, d)
+    ref, ref_views = int8_regions(10, 4, kvh, d)
+    assert fused.int8_write(x, views, blocks, offsets)
+    put_tokens(ref_views, Int8Codec().encode_tokens(x), blocks, offsets)
+    assert torch.equal(mine, ref)  # every code, every scale, and nothing written outside the slots
+
+
+def test_int8_write_declines_where_it_cannot_run(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _, views = int8_regions(2, 4, 2, 8)
+    x = torch.randn(2, 2, 8)
+    assert not fused.int8_write(x.transpose(0, 1), views, torch.tensor([0, 1]), torch.tensor([0, 0]))  # strided
+    assert not fused.int8_write(x, views, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0]))
+    monkeypatch.setattr(fused, "_ext", lambda: None)  # KVSERVE_NATIVE=0, no compiler, a failed build
+    assert not fused.int8_write(x, views, torch.tensor([0, 1]), torch.tensor([0, 0]))

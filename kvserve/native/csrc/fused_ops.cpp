@@ -153,9 +153,58 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t width, int64_t round_code) {
 
 }  // namespace
 
+// int8 KV encode + scatter (kvserve.kv.quant.Int8Codec.encode_tokens, then put_tokens): per token
+// and KV head, scale = max(amax / 127, 1e-12) and q = clamp(round_half_even(x / scale), -127, 127),
+// written to (blocks[t], offsets[t]) of the codec's field views. Built without fast-math so every
+// division and rounding is the IEEE one torch's ops do: the codes are torch's, bit for bit.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+template <typename T>
+__attribute__((optimize("no-fast-math"))) void int8_rows(
+    const T* x, float* scale, int8_t* q, const int64_t* blocks, const int64_t* offsets, int64_t tokens,
+    int64_t heads, int64_t dim, int64_t sb, int64_t so, int64_t qb, int64_t qo) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* src = x + (t * heads + h) * dim;
+      float amax = 0.f;
+      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(f(src[d])));
+      float s = amax / 127.0f;
+      if (!(s >= 1e-12f)) s = s != s ? s : 1e-12f;  // clamp_min, NaN kept as torch keeps it
+      scale[blocks[t] * sb + offsets[t] * so + h] = s;
+      int8_t* dst = q + blocks[t] * qb + offsets[t] * qo + h * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        float r = std::nearbyint(f(src[d]) / s);
+        dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+
+void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at::Tensor& blocks,
+                const at::Tensor& offsets) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be [tokens, kv_heads, head_dim] contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kFloat && scale.size(2) == H && scale.stride(2) == 1 &&
+              scale.stride(1) == H, "scale must be a float [blocks, block_size, kv_heads] view");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kChar && q.size(2) == H && q.size(3) == D && q.stride(3) == 1 &&
+              q.stride(2) == D && q.stride(1) == H * D, "q must be an int8 [blocks, block_size, kv_heads, head_dim] view");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && blocks.is_contiguous() &&
+              offsets.is_contiguous() && blocks.numel() == T && offsets.numel() == T, "blocks/offsets: int64 [tokens]");
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(b[t] >= 0 && b[t] < q.size(0) && o[t] >= 0 && o[t] < q.size(1), "slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_write", [&] {
+    int8_rows<scalar_t>(x.data_ptr<scalar_t>(), scale.data_ptr<float>(), q.data_ptr<int8_t>(), b, o, T, H, D,
+                        scale.stride(0), scale.stride(1), q.stride(0), q.stride(1));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");
   m.def("add_rms_norm", &add_rms_norm, "(weight * rms_norm(x + residual), x + residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, rounded as the torch ops round");
+  m.def("int8_write", &int8_write, "int8 KV encode (Int8Codec) and scatter into its field views");
 }
