@@ -46,8 +46,6 @@ class PeerTransfers:
         self._opened: dict[str, float] = {}
         self._open: dict[str, list[tuple[int, BlockHash]]] = {}
         self._peer: dict[str, str] = {}  # incoming transfers: the channel their frames come by
-        self.received_blocks = 0
-        self.sent_blocks = 0
 
     def begin_receive(self, transfer: str, hashes: list[BlockHash], peer: str) -> ReceiveBlocks | None:
         """Blocks for the hashes after this pool's own leading hits; None if none are wanted."""
@@ -84,7 +82,6 @@ class PeerTransfers:
                 self.pool.cache(block, block_hash)
                 cached += 1
         self.pool.free([b for b, _ in reversed(held)])
-        self.received_blocks += cached
         return cached
 
     def begin_send(self, transfer: str, hashes: list[BlockHash], peer: str) -> SendBlocks | None:
@@ -102,7 +99,6 @@ class PeerTransfers:
             return None
         self.pool.touch([b for b, _ in held])
         self._open[transfer] = held
-        self.sent_blocks += len(held)
         return SendBlocks([b for b, _ in held], peer, [h for _, h in held])
 
     def expire(self) -> int:
@@ -122,6 +118,3 @@ class PeerTransfers:
 
     def held_refs(self) -> int:
         return sum(len(h) for h in self._open.values())
-
-    def __contains__(self, transfer: str) -> bool:
-        return transfer in self._open

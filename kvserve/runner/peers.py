@@ -67,7 +67,7 @@ class PeerHub:
         self._inbox: dict[str, list[bytes] | None] = {}
         self._outbox: dict[str, list[bytes]] = {}
         self._since: dict[str, float] = {}  # expected transfers: when
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._server: socketserver.ThreadingTCPServer | None = None
         self.send_timeout_s = timeout_s  # what the next direct send may take (its caller sets it)
         self.bytes_sent = 0
@@ -77,7 +77,7 @@ class PeerHub:
         """Take frames for ``transfer`` from now on; transfers expected longer than a minute ago
         and never taken are forgotten here (their frames too)."""
         now = time.monotonic()
-        with self._cv:
+        with self._lock:
             for old in [t for t, at in self._since.items() if now - at > 60.0]:
                 self._inbox.pop(old, None)
                 self._since.pop(old, None)
@@ -86,37 +86,31 @@ class PeerHub:
 
     def put(self, transfer: str, frames: list[bytes]) -> bool:
         """Store ``frames`` for an expected transfer; False (nothing stored) otherwise."""
-        with self._cv:
+        with self._lock:
             if transfer not in self._inbox or self._inbox[transfer] is not None:
                 return False
             self._inbox[transfer] = list(frames)
             self._since.pop(transfer, None)
-            self._cv.notify_all()
             return True
 
-    def take(self, transfer: str, wait_s: float = 0.0) -> list[bytes] | None:
-        """The frames of ``transfer`` (waiting up to ``wait_s`` for them), and forget it. None if
-        they did not arrive: a later arrival is refused."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._inbox.get(transfer) is not None, timeout=wait_s)
+    def take(self, transfer: str) -> list[bytes] | None:
+        """The frames of ``transfer``, and forget it. None if they did not arrive: a later
+        arrival is refused."""
+        with self._lock:
             self._since.pop(transfer, None)
             return self._inbox.pop(transfer, None)
 
     def forget(self, transfer: str) -> None:
-        with self._cv:
+        with self._lock:
             self._inbox.pop(transfer, None)
             self._since.pop(transfer, None)
             self._outbox.pop(transfer, None)
-
-    def expected(self) -> int:
-        with self._cv:
-            return len(self._inbox)
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, peer: str, frames: list[bytes]) -> None:
         addr = PeerAddress.parse(peer)
         if addr.channel == "ray":
-            with self._cv:
+            with self._lock:
                 self._outbox[addr.transfer] = frames
         else:
             _send_tcp(addr, frames, self.send_timeout_s)
@@ -124,7 +118,7 @@ class PeerHub:
 
     def take_sent(self, transfer: str) -> list[bytes]:
         """The frames a ``ray:`` send left for ``transfer`` (empty if none), and forget them."""
-        with self._cv:
+        with self._lock:
             return self._outbox.pop(transfer, [])
 
     # -- the listener ------------------------------------------------------------------------
@@ -157,7 +151,7 @@ class PeerHub:
             if magic != _MAGIC:
                 return
             transfer = _read(conn, tlen).decode()
-            with self._cv:
+            with self._lock:
                 wanted = transfer in self._inbox and self._inbox[transfer] is None
             conn.sendall(_ACK.pack(b"G" if wanted else b"N", 0))  # refuse before a stranger's bytes come
             if not wanted:
