@@ -11,9 +11,11 @@ matmuls run:
 ``fbgemm_fp16_x1`` FBGEMM's fp16-weight GEMM, one shard on the calling thread (:mod:`cpu_gemm`)
 ``fbgemm_fp16_xN`` the same, output rows split over N threads (N = ``torch.get_num_threads()``)
 ``fbgemm_fp16``    the same, sharded by :mod:`cpu_gemm`'s size rule (the untimed default)
+``kvserve_tiled``  kvserve's own AVX2 kernel on the weight in its own dtype, repacked in 4-row tiles
+                   (:mod:`kvserve.model.tiled_gemm`), split over torch's intra-op threads
 =================  ===================================================================================
 
-Every path holds the weight once, in 2 bytes per element (the packed fp16 copy replaces the bf16
+Every path holds the weight once, in 2 bytes per element (the packed copy replaces the loaded
 one): a model whose roles take different paths per row band holds two copies of those roles only
 (:mod:`kvserve.model.gemm_plan` decides when that is allowed). Invariant: every path of a role
 computes the same function of its input up to fp32 summation order.
@@ -25,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import tiled_gemm
 from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, fbgemm_fp16_available
+from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
 from kvserve.native import fused
 
 ROLES = ("qkv", "o", "mlp", "lm_head")
@@ -41,11 +45,12 @@ def band_of(rows: int) -> int:
 
 def candidate_paths(threads: int | None = None) -> tuple[str, ...]:
     """The paths worth timing on this build: native always; FBGEMM where the build has it
-    (sharded when more than one thread runs)."""
+    (sharded when more than one thread runs); kvserve's tiled kernel where it built."""
     n = threads if threads is not None else torch.get_num_threads()
+    tiled = ("kvserve_tiled",) if tiled_gemm.tiled_gemm_available() else ()
     if not fbgemm_fp16_available():
-        return ("native",)
-    return ("native", "fbgemm_fp16_x1") + ((f"fbgemm_fp16_x{n}",) if n > 1 else ())
+        return ("native",) + tiled
+    return ("native", "fbgemm_fp16_x1") + ((f"fbgemm_fp16_x{n}",) if n > 1 else ()) + tiled
 
 
 def _shards(path: str) -> int | None:
@@ -84,6 +89,8 @@ def build_linear(path: str, weight: torch.Tensor, bias: torch.Tensor | None,
     """A module running ``x @ weight.T + bias`` on ``path``."""
     if path == "native":
         return NativeLinear(weight, bias, out_dtype)
+    if path == "kvserve_tiled":
+        return TiledLinear(weight, bias, out_dtype)
     return PackedFp16Linear(weight, bias, out_dtype, shards=_shards(path))
 
 
@@ -91,11 +98,16 @@ def build_mlp(path: str, gate_up: torch.Tensor, down: torch.Tensor) -> nn.Module
     """A module running the gated MLP over ``gate_up`` ``[2I, H]`` and ``down`` ``[H, I]`` on ``path``."""
     if path == "native":
         return NativeMLP(gate_up, down)
+    if path == "kvserve_tiled":
+        return TiledMLP(gate_up, down)
     return PackedFp16MLP(gate_up, down, shards=_shards(path))
 
 
 def path_fits(path: str, *weights: torch.Tensor) -> bool:
-    """Whether ``path`` can hold these weights (fp16 packing needs every value within fp16 range)."""
+    """Whether ``path`` can hold these weights (fp16 packing needs every value within fp16 range;
+    the tiled kernel a bf16/fp16 matrix with an input size a multiple of 8)."""
+    if path == "kvserve_tiled":
+        return all(tiled_gemm.fits(w) for w in weights)
     return path == "native" or all(PackedFp16Linear.fits(w) for w in weights)
 
 

@@ -20,6 +20,9 @@ some band, keeping both copies costs that role's weights once more; such splits 
 most gain per extra byte first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
 :data:`EXTRA_BYTES_DEFAULT`: the memory target is weights + KV pool + 300 MiB, most of which the
 runtime itself takes; on the 0.5B shape one copy of the MLPs is 418 MiB, of the logits 260 MiB).
+That is done once per thread family (:data:`FAMILIES`: OpenMP-threaded paths and FBGEMM's pool
+shards do not share a plan), and the family plan whose slowest band, summed over the forward's
+matrices, is closest to the best family's wins.
 
 Every decision is recorded in :mod:`kvserve.native.choices` (role ``gemm_<role>``) and logged.
 Invariant: a plan names one path per (role, band), each one of :func:`candidate_paths`.
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths
 from kvserve.model.gemm_tune import RoleShape, Timer, measure
 from kvserve.native import cache_dir
@@ -61,7 +65,8 @@ class GemmPlan:
     timings_us: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     extra_bytes: int = 0
 
-    def uses_fbgemm(self) -> bool:
+    def repacks(self) -> bool:
+        """Whether any role leaves torch's matmul on the loaded weight (FBGEMM or the tiled kernel)."""
         return any(p != "native" for bands in self.paths.values() for p in bands)
 
 
@@ -75,7 +80,7 @@ def default_path(dtype: torch.dtype) -> str:
     """Without timings: native where the CPU has half-precision matmul units or FBGEMM is absent,
     else FBGEMM fp16 (its size-based sharding)."""
     flags = set(_cpu()["flags"])  # type: ignore[arg-type]
-    if dtype == torch.float32 or flags & set(HALF_NATIVE_FLAGS.get(dtype, ())) or len(candidate_paths()) == 1:
+    if dtype == torch.float32 or flags & set(HALF_NATIVE_FLAGS.get(dtype, ())) or not fbgemm_fp16_available():
         return "native"
     return "fbgemm_fp16"
 
@@ -88,10 +93,44 @@ def _regret(bands: list[dict[str, float]], path: str) -> float:
     return max(b[path] / min(b.values()) for b in bands)
 
 
+def _pooled(path: str) -> bool:
+    """FBGEMM sharded over kvserve's Python pool (``fbgemm_fp16_xN``, N > 1)."""
+    return path.startswith("fbgemm_fp16_x") and path != "fbgemm_fp16_x1"
+
+
+FAMILIES = (lambda p: not _pooled(p), lambda p: p not in ("native", "kvserve_tiled"))
+"""Paths that may share a plan. OpenMP-threaded paths (torch's matmul, the tiled kernel) and
+FBGEMM's pool shards contend for the cores when mixed: OpenMP's workers spin after each region
+while a pool thread wants the core (0.5B decode step on 2 cores: 106-110 ms mixed, 84 ms with
+every role on the tiled kernel, though each role timed alone favoured the mix). Single-thread
+FBGEMM (``_x1``) goes with either."""
+
+
 def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int], extra_budget: int,
-           source: str) -> GemmPlan:
+           source: str, role_counts: dict[str, int] | None = None) -> GemmPlan:
     """The plan these timings give (see the module doc); ``role_bytes`` = a role's weight bytes in
-    the whole model (one more copy of them is what a second path costs)."""
+    the whole model (one more copy of them is what a second path costs), ``role_counts`` how many
+    matrices of each role a forward runs (default 1). One plan per :data:`FAMILIES` entry; the one
+    whose worst band (the forward's summed time against the best family's) is best wins."""
+    counts = role_counts or {}
+    plans: list[GemmPlan] = []
+    for keep in FAMILIES:
+        sub = {r: [{p: t for p, t in b.items() if keep(p)} for b in bands] for r, bands in timings.items()}
+        if all(all(b) for bands in sub.values() for b in bands):
+            plan = _decide_family(sub, role_bytes, extra_budget)
+            if plan not in plans:
+                plans.append(plan)
+
+    def band_total(plan: GemmPlan, b: int) -> float:
+        return sum(counts.get(r, 1) * timings[r][b][plan.paths[r][b]] for r in timings)
+
+    bests = [min(band_total(p, b) for p in plans) for b in range(len(BANDS))]
+    best = min(plans, key=lambda p: max(band_total(p, b) / bests[b] for b in range(len(BANDS))))
+    return GemmPlan(best.paths, source, timings, best.extra_bytes)
+
+
+def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int],
+                   extra_budget: int) -> GemmPlan:
     paths: dict[str, tuple[str, str, str]] = {}
     split: list[tuple[float, int, str, tuple[str, str, str]]] = []
     for role, bands in timings.items():
@@ -107,7 +146,7 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
     for _, cost, role, best in sorted(split):  # the most gain per extra byte first
         if extra + cost <= extra_budget:
             paths[role], extra = best, extra + cost
-    return GemmPlan(paths, source, timings, extra)
+    return GemmPlan(paths, "family", {}, extra)
 
 
 def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...]) -> str:
@@ -157,26 +196,31 @@ def plan_for(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | Non
 
 
 def _plan(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | None, timer: Timer | None) -> GemmPlan:
-    paths = candidate_paths()
     if forced not in (None, "auto"):
+        paths = candidate_paths()
         if forced != "fbgemm_fp16" and forced not in paths:
             raise ValueError(f"KVSERVE_GEMM={forced}: not a GEMM path here (choose from auto, fbgemm_fp16, "
                              f"{', '.join(paths)})")
         return uniform(forced, "forced")  # type: ignore[arg-type]
-    if dtype == torch.float32 or len(paths) == 1 or sum(r.elements * r.count for r in roles) < TUNE_MIN_ELEMENTS:
+    # untimed models never build the tiled kernel (candidate_paths() would, ~60 s on a cold cache)
+    if dtype == torch.float32 or sum(r.elements * r.count for r in roles) < TUNE_MIN_ELEMENTS:
         return uniform(default_path(dtype), "default")
+    paths = candidate_paths()
+    if len(paths) == 1:
+        return uniform(paths[0], "default")
     budget = int(float(os.environ.get("KVSERVE_GEMM_EXTRA_MIB", EXTRA_BYTES_DEFAULT / 2**20)) * 2**20)
     role_bytes = {r.role: r.elements * r.count * dtype.itemsize for r in roles}
+    counts = {r.role: r.count for r in roles}
     path = cache_path(roles, dtype)
     cached = None if _env_true("KVSERVE_RETUNE_KERNELS") or timer is not None else _read_cache(path)
     if cached is not None:
-        return decide(cached, role_bytes, budget, "cached")
+        return decide(cached, role_bytes, budget, "cached", counts)
     first = default_path(dtype)  # the likely winner first, so the others can stop after one pass
     order = tuple(sorted(paths, key=lambda p: p != first and not p.startswith(first)))
     timings = measure(roles, order, dtype, timer)
     if timer is None:
         _write_cache(path, timings)
-    return decide(timings, role_bytes, budget, "measured")
+    return decide(timings, role_bytes, budget, "measured", counts)
 
 
 def record_plan(plan: GemmPlan) -> None:

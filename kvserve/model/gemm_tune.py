@@ -63,7 +63,7 @@ def _cut(rs: RoleShape, budget: int) -> tuple[tuple[tuple[int, int], ...], int, 
         return rs.shapes, max(1, min(MAX_COPIES, budget // rs.elements)), 1.0
     if rs.role == "mlp":
         (_, hidden), (_, inter) = rs.shapes
-        width = max(64, budget // (3 * hidden))
+        width = max(64, budget // (3 * hidden)) // 8 * 8  # a multiple of 8, as every path accepts
         return ((2 * width, hidden), (hidden, width)), 1, inter / width
     (out, inp), = rs.shapes
     rows = max(64, budget // inp)

@@ -150,3 +150,24 @@ class PagedRunner:
 def random_prompt(length: int, vocab: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+def check_bf16_against_transformers(model: torch.nn.Module, config: Any, hf: torch.nn.Module) -> list[list[int]]:
+    """Prefill 4 random 20-token prompts and assert each's logits are within bf16 rounding of
+    transformers in bf16; then a batch of their 4 decodes and the first alone agree to that
+    rounding. Returns the prompts."""
+    import copy
+
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    runner = PagedRunner(model, config)
+    prompts = [random_prompt(20, config.vocab_size, seed=s) for s in range(4)]
+    tables = [runner.new_block_table(24) for _ in prompts]
+    for p, t in zip(prompts, tables):
+        ours = runner.prefill(p, t)
+        with torch.no_grad():
+            ref = hf16(torch.tensor([p])).logits[0].float()
+        assert (ours - ref).abs().max().item() <= 0.05 * max(1.0, ref.abs().max().item())
+    batch = runner.step([([p[-1]], 20, t) for p, t in zip(prompts, tables)])  # 4 rows
+    one = runner.step([([prompts[0][-1]], 20, tables[0])])                    # 1 row
+    assert torch.allclose(batch[0], one[0], atol=0.05 * max(1.0, one.abs().max().item()))
+    return prompts

@@ -4,7 +4,6 @@ depends on this machine's speed)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from kvserve.model.gemm_tune import RoleShape, role_shapes
 from kvserve.model.loader import load_model
 from kvserve.native import choices
 
-from .helpers import PagedRunner, random_prompt
+from .helpers import PagedRunner, check_bf16_against_transformers, random_prompt
 
 Checkpoint = Callable[[str], tuple[Path, torch.nn.Module]]
 needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(), reason="no FBGEMM in this torch build")
@@ -108,6 +107,8 @@ def test_every_choice_is_recorded_with_its_timings(monkeypatch: pytest.MonkeyPat
 
 def test_tiny_and_fp32_models_take_the_default_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_plan, "measure", lambda *a, **k: pytest.fail("tiny models are not timed"))
+    # nor do they ask for the candidates (that would build the tiled kernel, ~60 s on a cold cache)
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: pytest.fail("tiny models build nothing"))
     tiny = role_shapes(64, 128, 64, 32, 512, 2)
     assert plan_for(tiny, torch.bfloat16).source == "default"
     assert plan_for(BIG, torch.float32) == uniform("native", "default")
@@ -130,6 +131,7 @@ def test_forcing_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_a_fast_half_path_the_model_loads_native(hf_checkpoint: Checkpoint,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native",))
+    monkeypatch.setattr(gemm_plan, "fbgemm_fp16_available", lambda: False)
     monkeypatch.setattr(gemm_plan, "measure", lambda *a, **k: pytest.fail("nothing to choose between"))
     model, config = load_model(hf_checkpoint("llama-gqa")[0], dtype="bf16")
     assert not any(isinstance(m, (PackedFp16Linear, BandDispatch)) for m in model.modules())
@@ -157,18 +159,7 @@ def test_a_split_plan_matches_transformers_in_every_band(case: str, hf_checkpoin
     assert len(heads) == 3 * config.num_hidden_layers + 1 and heads[0].names == split
     if case == "qwen2-bias-tied":  # the native band multiplies by the embedding itself
         assert lm_head_reads_embedding(model)
-    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    runner = PagedRunner(model, config)
-    prompts = [random_prompt(20, config.vocab_size, seed=s) for s in range(4)]
-    tables = [runner.new_block_table(24) for _ in prompts]
-    for p, t in zip(prompts, tables):
-        ours = runner.prefill(p, t)
-        with torch.no_grad():
-            ref = hf16(torch.tensor([p])).logits[0].float()
-        assert (ours - ref).abs().max().item() <= 0.05 * max(1.0, ref.abs().max().item())
-    batch = runner.step([([p[-1]], 20, t) for p, t in zip(prompts, tables)])       # 4 rows: native band
-    one = runner.step([([prompts[0][-1]], 20, tables[0])])                         # 1 row: FBGEMM band
-    assert torch.allclose(batch[0], one[0], atol=0.05 * max(1.0, one.abs().max().item()))
+    check_bf16_against_transformers(model, config, hf)  # 20-row prefills: x2 band; 4 decodes: native; 1: X
 
 
 def test_native_linear_is_the_loaded_weight() -> None:
@@ -177,3 +168,18 @@ def test_native_linear_is_the_loaded_weight() -> None:
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     assert lin.weight is w and lin(x).dtype == torch.float32
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w).float())
+
+
+def test_openmp_paths_and_pool_shards_never_share_a_plan() -> None:
+    """Each role alone would take the tiled kernel for qkv and the pooled FBGEMM shards for the
+    MLP; the plan takes one family, the one whose forward (summed over the layers) loses least in
+    its worst band."""
+    x2, tiled = "fbgemm_fp16_x2", "kvserve_tiled"
+    qkv = [{"native": 9.0, X: 3.0, x2: 4.0, tiled: 1.0}] * 3
+    mlp = [{"native": 90.0, X: 30.0, x2: 10.0, tiled: 11.0}] * 3
+    plan = decide({"qkv": qkv, "mlp": mlp}, {"qkv": 1, "mlp": 1}, 0, "measured", {"qkv": 24, "mlp": 24})
+    assert plan.paths == {"qkv": (tiled,) * 3, "mlp": (tiled,) * 3}  # 24 * 12 against 24 * 13 (x1 + x2)
+    slow = [{"native": 90.0, X: 30.0, x2: 10.0, tiled: 20.0}] * 3
+    plan = decide({"qkv": qkv, "mlp": slow}, {"qkv": 1, "mlp": 1}, 0, "measured", {"qkv": 24, "mlp": 24})
+    assert plan.paths == {"qkv": (X,) * 3, "mlp": (x2,) * 3}
+    assert plan.timings_us["qkv"] == qkv  # every path's timing is kept for the record

@@ -1,0 +1,101 @@
+"""kvserve's tiled GEMM kernel: the packed layout, ``x @ W.T + b`` on both of its row regimes (dot
+products up to 16 rows, widened panels through sgemm above), every output dtype, and a whole
+bf16 model on it against transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model import tiled_gemm
+from kvserve.model.gemm_apply import apply_plan
+from kvserve.model.gemm_paths import candidate_paths, path_fits
+from kvserve.model.gemm_plan import uniform
+from kvserve.model.loader import load_model
+from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
+from kvserve.native import fused
+
+from .helpers import PagedRunner, check_bf16_against_transformers
+
+pytestmark = pytest.mark.skipif(not tiled_gemm.tiled_gemm_available(), reason="the tiled kernel did not build here")
+Checkpoint = Callable[[str], tuple[Path, torch.nn.Module]]
+
+
+def _w(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.2).to(dtype)
+
+
+def test_packed_layout_interleaves_four_rows_per_chunk_and_pads_with_zeros() -> None:
+    w = torch.arange(6 * 16, dtype=torch.float32).reshape(6, 16).to(torch.bfloat16)
+    packed = tiled_gemm._ext().pack(w)  # type: ignore[union-attr]
+    assert packed.shape == (2, 2, 4, 8) and packed.dtype == torch.bfloat16
+    for g in range(2):
+        for c in range(2):
+            for r in range(4):
+                row = 4 * g + r
+                want = w[row, 8 * c:8 * c + 8] if row < 6 else torch.zeros(8, dtype=torch.bfloat16)
+                assert torch.equal(packed[g, c, r], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 17, 40, 520])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 24), (130, 1032)])
+def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """Both regimes (<= 16 rows: register dots; more: widened panels, K sliced at 512 when it is
+    longer; over 512 rows, the rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
+    every output dtype is that fp32 result rounded once."""
+    w = _w(n, k, dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = F.linear(x.float(), w.float(), bias)
+    y32 = TiledLinear(w, bias, torch.float32)(x)
+    assert y32.shape == (rows, n) and y32.dtype == torch.float32
+    assert torch.allclose(y32, ref, rtol=1e-5, atol=1e-5 * (k ** 0.5))
+    for out in (torch.bfloat16, torch.float16):
+        y = TiledLinear(w, bias, out)(x)
+        assert y.dtype == out and torch.equal(y, y32.to(out))
+    assert TiledLinear(w, None)(x).dtype == dtype  # default: the input's dtype
+
+
+def test_an_fp32_or_odd_width_weight_does_not_fit() -> None:
+    assert not path_fits("kvserve_tiled", torch.randn(4, 8))
+    assert not path_fits("kvserve_tiled", torch.randn(4, 12).bfloat16())
+    assert path_fits("kvserve_tiled", torch.randn(4, 16).bfloat16(), torch.randn(16, 8).half())
+    with pytest.raises(ValueError, match="cannot hold"):
+        TiledLinear(torch.randn(4, 8), None)
+    assert "kvserve_tiled" in candidate_paths()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_mlp_rounds_where_the_bf16_mlp_rounds(rows: int) -> None:
+    hidden, inter = 32, 48
+    gate_up, down = _w(2 * inter, hidden, torch.bfloat16, 3), _w(hidden, inter, torch.bfloat16, 4)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(5)).bfloat16()
+    gu = F.linear(x.float(), gate_up.float()).bfloat16()
+    act = fused.silu_mul_reference(gu, inter)  # the model's own rounding of the activation
+    ref = F.linear(act.float(), down.float())
+    y = TiledMLP(gate_up, down)(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, hidden)
+    assert torch.allclose(y.float(), ref, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-3)
+    with pytest.raises(ValueError, match="does not match"):
+        TiledMLP(gate_up, _w(hidden, inter + 8, torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen2-bias-tied"])
+def test_a_model_on_the_tiled_path_matches_transformers(case: str, hf_checkpoint: Checkpoint) -> None:
+    """Every projection (and the tied logits) on the kernel: prefill logits within bf16 rounding of
+    transformers in bf16, a 4-row decode batch equal to each row alone to that rounding, and the
+    same greedy tokens as the model on torch's own bf16 matmul."""
+    path, hf = hf_checkpoint(case)
+    native, config = load_model(path, dtype="bf16", cpu_fp16_gemm=False)
+    model, _ = load_model(path, dtype="bf16", cpu_fp16_gemm=False)
+    assert apply_plan(model, uniform("kvserve_tiled", "forced")) == 3 * config.num_hidden_layers + 1
+    assert sum(isinstance(m, TiledLinear) for m in model.modules()) == 4 * config.num_hidden_layers + 1
+    prompts = check_bf16_against_transformers(model, config, hf)
+    mine, _ = PagedRunner(model, config, seed=5).greedy(prompts[1], 16)
+    theirs, _ = PagedRunner(native, config, seed=5).greedy(prompts[1], 16)
+    assert mine == theirs
