@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#include <cstdlib>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVS_TILED 1
