@@ -6,8 +6,9 @@ chunks are interleaved, so a group is one sequential stream of 64-byte lines. A 
 rows (up to 16) run as register-blocked dot products with the weight widened in registers, split
 over torch's intra-op threads (OpenMP: a fork costs microseconds, against ~50-75 us for the Python
 pool FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them with MKL's
-sgemm. Measured against FBGEMM fp16 on this repo's 2-core AMD EPYC, one row: 0.4-0.7x the time on
-a layer's matrices, 0.95x on the logits projection (docs/kernels.md).
+sgemm, 512 rows at a time. Measured against FBGEMM fp16 on this repo's 2-core AMD EPYC, one row
+(``benchmarks/gemm_plan.py``): 0.44-0.93x the time on a layer's matrices, 0.65x on the logits
+projection (docs/kernels.md).
 
 Numerics: fp32 products and sums, bias added in fp32, one rounding to the output dtype; the
 weights are not rounded at all (FBGEMM rounds bf16 to fp16). Only the summation order differs from

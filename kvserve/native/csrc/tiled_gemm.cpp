@@ -49,21 +49,22 @@ at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(k % kChunk == 0, "K must be a multiple of 8");
   const int64_t groups = (n + kRows - 1) / kRows, chunks = k / kChunk;
   auto out = at::empty({groups, chunks, kRows, kChunk}, w.options());
-  out.zero_();
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < kRows && g * kRows + r < n; ++r) {
+      for (int64_t r = 0; r < kRows; ++r) {
+        const bool real = g * kRows + r < n;  // the last group's rows past N are zeros
         const uint16_t* row = src + (g * kRows + r) * k;
-        for (int64_t c = 0; c < chunks; ++c)
-          std::memcpy(dst + ((g * chunks + c) * kRows + r) * kChunk, row + c * kChunk, kChunk * sizeof(uint16_t));
+        for (int64_t c = 0; c < chunks; ++c) {
+          uint16_t* to = dst + ((g * chunks + c) * kRows + r) * kChunk;
+          if (real) std::memcpy(to, row + c * kChunk, kChunk * sizeof(uint16_t));
+          else std::memset(to, 0, kChunk * sizeof(uint16_t));
+        }
       }
   });
   return out;
 }
-
-template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
 
 #if KVS_TILED
 template <bool BF16> inline __m256 widen(const uint16_t* p) {
@@ -129,7 +130,7 @@ template <typename O>
 void store(O* y, int64_t ldy, int64_t m, int64_t n0, int64_t n, const float* v, const float* bias) {
   for (int64_t r = 0; r < kRows && n0 + r < n; ++r) {
     const float b = bias != nullptr ? bias[n0 + r] : 0.f;
-    y[m * ldy + n0 + r] = from_float<O>(v[r] + b);
+    y[m * ldy + n0 + r] = static_cast<O>(v[r] + b);
   }
 }
 
