@@ -19,3 +19,21 @@ def cpu_info() -> dict[str, object]:
     except OSError:
         pass
     return {"model": model, "flags": sorted(set(flags))}
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of cpu0's highest-level data/unified cache in bytes (Linux sysfs), or None."""
+    best: tuple[int, int] | None = None
+    try:
+        for index in root.glob("index*"):
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            size = int(text.rstrip("KMG")) * mult
+            if best is None or level > best[0]:
+                best = (level, size)
+    except (OSError, ValueError):
+        return None
+    return best[1] if best else None

@@ -194,17 +194,26 @@ def heads_major(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+            mask: torch.Tensor | None, scale: float, causal: bool = False) -> torch.Tensor:
     """One sequence: q ``[q_len, H, D]``, keys/values head-major ``[KVH, L, D]`` (contiguous, q's
     dtype) -> ``[q_len, H, D]``.
 
-    Grouped-query form: the ``g = H / KVH`` query heads sharing a KV head are stacked as
-    ``g * q_len`` query rows of that KV head (head ``h`` uses KV head ``h // g``, as in
+    ``causal`` (a prompt's first chunk: ``q_len == L``, no window cuts it, ``mask`` None): torch's
+    own causal flash attention with ``enable_gqa``, which skips the masked half (a 2,048-token
+    prompt, 14 heads over 2 KV heads, bf16, one layer: 13.3 ms against 51.3 ms through the stacked
+    form with a mask below).
+
+    Otherwise the grouped-query form: the ``g = H / KVH`` query heads sharing a KV head are stacked
+    as ``g * q_len`` query rows of that KV head (head ``h`` uses KV head ``h // g``, as in
     transformers' ``repeat_kv``), so SDPA runs batched over KV heads without repeating K/V.
-    (``enable_gqa=True`` gives the same result but is far slower on CPU in torch 2.13.)
+    (``enable_gqa=True`` with a mask gives the same result but is far slower on CPU in torch 2.13.)
     """
     q_len, heads, d = q.shape
     kv_heads = keys.shape[0]
+    if causal:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
     g = heads // kv_heads
     qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * q_len, d)
     if mask is not None and g > 1:
@@ -281,6 +290,7 @@ def attend_written(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, pla
         # With a window, keys before the first query's window are never read: skip them.
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
         kv = heads_major(gather_context(cache, meta.block_tables[i], seq_len, first), q.dtype)
-        mask = _causal_mask(q_len, seq_len - first, window, q.device)
-        out[start:end] = _attend(q[start:end], kv[0], kv[1], mask, scale)
+        causal = q_len == seq_len > 1 and (window is None or window >= seq_len)  # a prompt's first chunk
+        mask = None if causal else _causal_mask(q_len, seq_len - first, window, q.device)
+        out[start:end] = _attend(q[start:end], kv[0], kv[1], mask, scale, causal)
     return out

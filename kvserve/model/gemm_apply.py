@@ -3,9 +3,10 @@
 Per role, a plan whose three bands name one path swaps the module for that path's (``native``:
 the module is left as loaded); bands naming different paths get a
 :class:`~kvserve.model.gemm_paths.BandDispatch` over one module per distinct path. A layer whose
-weights do not fit fp16 keeps its native module (as before). A tied logits projection with any
-FBGEMM band gets its own packed copy of the embedding (the embedding itself is then only looked
-up by rows and can be mapped from the checkpoint, see ``loader._map_embedding``).
+weights do not fit fp16 keeps its native module (as before). A tied logits projection reads the
+embedding itself on ``native`` and ``kvserve_tiled``; with every band on FBGEMM it gets its own
+packed copy (the embedding itself is then only looked up by rows and can be mapped from the
+checkpoint, see ``loader._map_embedding``).
 
 Invariant: the model computes the same function before and after, up to fp32 summation order.
 """
@@ -21,6 +22,7 @@ from kvserve.model.gemm_paths import BandDispatch, NativeLinear, build_linear, b
 from kvserve.model.gemm_plan import GemmPlan
 from kvserve.model.gemm_tune import RoleShape, role_shapes
 from kvserve.model.memory_release import release_free_memory
+from kvserve.model.tiled_gemm import TiledLinear
 
 
 def model_roles(model: nn.Module) -> tuple[RoleShape, ...]:
@@ -83,10 +85,11 @@ def apply_plan(model: nn.Module, plan: GemmPlan) -> int:
 
 
 def lm_head_reads_embedding(model: nn.Module) -> bool:
-    """Whether the logits still multiply by the embedding matrix itself (tied, some band native)."""
+    """Whether the logits still multiply by the embedding matrix itself (tied, some band native or
+    on the tiled kernel, which both read the tensor as loaded)."""
     head = model.lm_head  # type: ignore[attr-defined]
     if head is None:
         return bool(model.config.tie_word_embeddings)  # type: ignore[attr-defined]
     mods = list(head.paths) if isinstance(head, BandDispatch) else [head]
     emb = model.model.embed_tokens.weight  # type: ignore[attr-defined]
-    return any(isinstance(m, NativeLinear) and m.weight is emb for m in mods)
+    return any(isinstance(m, NativeLinear | TiledLinear) and m.weight is emb for m in mods)

@@ -11,17 +11,21 @@ matmuls run:
 ``fbgemm_fp16_x1`` FBGEMM's fp16-weight GEMM, one shard on the calling thread (:mod:`cpu_gemm`)
 ``fbgemm_fp16_xN`` the same, output rows split over N threads (N = ``torch.get_num_threads()``)
 ``fbgemm_fp16``    the same, sharded by :mod:`cpu_gemm`'s size rule (the untimed default)
-``kvserve_tiled``  kvserve's own AVX2 kernel on the weight in its own dtype, repacked in 4-row tiles
-                   (:mod:`kvserve.model.tiled_gemm`), split over torch's intra-op threads
+``kvserve_tiled``  kvserve's own AVX2 kernel on the weight as loaded (the same tensor as ``native``;
+                   :mod:`kvserve.model.tiled_gemm`), split over torch's intra-op threads
 =================  ===================================================================================
 
-Every path holds the weight once, in 2 bytes per element (the packed copy replaces the loaded
-one): a model whose roles take different paths per row band holds two copies of those roles only
-(:mod:`kvserve.model.gemm_plan` decides when that is allowed). Invariant: every path of a role
+Every path holds the weight once, in 2 bytes per element (an FBGEMM packed copy replaces the
+loaded one; ``native`` and ``kvserve_tiled`` both read the loaded tensor, :func:`storage_of`): a
+role whose bands take paths of different storage holds two copies of its weights
+(:mod:`kvserve.model.gemm_plan` decides when that is allowed); bands split between ``native`` and
+``kvserve_tiled`` cost nothing. Invariant: every path of a role
 computes the same function of its input up to fp32 summation order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +57,32 @@ def candidate_paths(threads: int | None = None) -> tuple[str, ...]:
     return ("native", "fbgemm_fp16_x1") + ((f"fbgemm_fp16_x{n}",) if n > 1 else ()) + tiled
 
 
+def storage_of(path: str) -> str:
+    """What holds a role's weights on ``path``: ``loaded`` (the checkpoint's tensor itself) or the
+    path's own packed copy. Two paths of one storage share the tensor."""
+    return "loaded" if path in ("native", "kvserve_tiled") else path
+
+
 def _shards(path: str) -> int | None:
     return int(path.rpartition("_x")[2]) if "_x" in path else None
 
 
+ROW_BLOCK = 512
+"""Rows per call of the native MLP: measured on an AMX Xeon (0.5B shape, bf16), the gate/up, SiLU
+and down of 2,048 rows took 47.6 ms in one call and 31.6 ms as four calls of 512 (the [rows, 2I]
+intermediate stays in cache)."""
+
+
+def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn``, run :data:`ROW_BLOCK` rows at a time."""
+    if x.shape[0] <= ROW_BLOCK:
+        return fn(x)
+    return torch.cat([fn(x[i:i + ROW_BLOCK]) for i in range(0, x.shape[0], ROW_BLOCK)])
+
+
 class NativeMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with torch matmuls on the given weights (no copy)."""
+    """``down(silu(gate(x)) * up(x))`` with torch matmuls on the given weights (no copy), in
+    blocks of :data:`ROW_BLOCK` rows."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
@@ -67,6 +91,9 @@ class NativeMLP(nn.Module):
         self.inter = down.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._rows, x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(fused.silu_mul(F.linear(x, self.gate_up), self.inter), self.down)
 
 

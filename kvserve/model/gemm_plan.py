@@ -9,15 +9,17 @@
    ``native`` where the CPU multiplies half precision natively (AMX or AVX-512 BF16/FP16), else
    FBGEMM fp16 (fp32 models: always ``native``, packing would round their weights);
 3. a plan cached in ``<cache dir>/gemm/<key>.json``, keyed by CPU model and flags, torch version,
-   thread count, dtype and the role shapes (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
+   thread count, dtype, the role shapes and the tiled kernel's source (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
    (``--retune-kernels`` on serve/generate) asks for a new measurement;
 4. otherwise the paths are timed (:mod:`kvserve.model.gemm_tune`) and the result cached (source
    ``measured``).
 
 From timings, each role first takes one path for every band: the one whose worst slowdown against
 each band's fastest is smallest. When another path is at least :data:`SPLIT_MIN_GAIN` faster in
-some band, keeping both copies costs that role's weights once more; such splits are allowed, the
-most gain per extra byte first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
+some band, keeping both costs that role's weights once more per extra storage
+(:func:`~kvserve.model.gemm_paths.storage_of`: ``native`` and ``kvserve_tiled`` share the loaded
+tensor, so a split between them is free); such splits are allowed, the most gain per extra byte
+first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
 :data:`EXTRA_BYTES_DEFAULT`: the memory target is weights + KV pool + 300 MiB, most of which the
 runtime itself takes; on the 0.5B shape one copy of the MLPs is 418 MiB, of the logits 260 MiB).
 That is done once per thread family (:data:`FAMILIES`: OpenMP-threaded paths and FBGEMM's pool
@@ -40,9 +42,9 @@ from pathlib import Path
 import torch
 
 from kvserve.model.cpu_gemm import fbgemm_fp16_available
-from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths
+from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths, storage_of
 from kvserve.model.gemm_tune import RoleShape, Timer, measure
-from kvserve.native import cache_dir
+from kvserve.native import CSRC, cache_dir
 from kvserve.native.choices import KernelChoice, record
 
 log = logging.getLogger("kvserve.gemm")
@@ -51,8 +53,10 @@ EXTRA_BYTES_DEFAULT = 64 << 20
 SPLIT_MIN_GAIN = 1.15
 """A second copy of a role is only worth its memory when some band runs this much faster on it
 (smaller gains are within the measurement's noise on a shared machine)."""
+TIE = 1.05
+"""Timings this close (ratio) are a tie on a shared machine."""
 HALF_NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,9 @@ class GemmPlan:
     timings_us: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     extra_bytes: int = 0
 
-    def repacks(self) -> bool:
-        """Whether any role leaves torch's matmul on the loaded weight (FBGEMM or the tiled kernel)."""
+    def swaps_modules(self) -> bool:
+        """Whether any role leaves torch's matmul in some band (FBGEMM or the tiled kernel): the
+        loaded model's modules are then replaced (:func:`kvserve.model.gemm_apply.apply_plan`)."""
         return any(p != "native" for bands in self.paths.values() for p in bands)
 
 
@@ -129,18 +134,25 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
     return GemmPlan(best.paths, source, timings, best.extra_bytes)
 
 
+def _band_best(band: dict[str, float], storage: str) -> str:
+    """The band's fastest path, except that one on ``storage`` (the role's single path's) within
+    :data:`TIE` of it is taken instead: a tie is not worth a second copy of the weights."""
+    fastest = min(band.values())
+    return min((p for p, t in band.items() if t <= fastest * TIE), key=lambda p: (storage_of(p) != storage, band[p]))
+
+
 def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int],
                    extra_budget: int) -> GemmPlan:
     paths: dict[str, tuple[str, str, str]] = {}
     split: list[tuple[float, int, str, tuple[str, str, str]]] = []
     for role, bands in timings.items():
-        best = tuple(min(b, key=b.__getitem__) for b in bands)
         common = [p for p in bands[0] if all(p in b for b in bands)]
         single = min(common, key=lambda p: _regret(bands, p))
+        best = tuple(_band_best(b, storage_of(single)) for b in bands)
         paths[role] = (single, single, single)
         gain = [b[single] / b[p] for b, p in zip(bands, best)]  # >= 1: how much faster each band's best is
         if len(set(best)) > 1 and max(gain) >= SPLIT_MIN_GAIN:
-            cost = (len(set(best)) - 1) * role_bytes.get(role, 0)
+            cost = (len({storage_of(p) for p in best}) - 1) * role_bytes.get(role, 0)
             split.append((-sum(g - 1 for g in gain) / max(cost, 1), cost, role, best))  # type: ignore[arg-type]
     extra = 0
     for _, cost, role, best in sorted(split):  # the most gain per extra byte first
@@ -151,8 +163,9 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
 
 def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...]) -> str:
     cpu = _cpu()
+    kernel = hashlib.sha256((CSRC / "tiled_gemm.cpp").read_bytes()).hexdigest()[:12]  # its timings go stale with it
     text = json.dumps([CACHE_VERSION, cpu["model"], cpu["flags"], torch.__version__, torch.get_num_threads(),
-                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths])
+                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -3,11 +3,14 @@
 Weights are synthetic (the model's shapes and dtype, a constant value: GEMM time does not depend
 on the values), so a model can be measured before its checkpoint is read and the planner can
 measure a shape it only knows from a config. Per row count the working set is bounded in weight
-elements (:data:`WORKING_SET`): at one and 16 rows, distinct copies of the matrix run in turn
-until they fill the last-level cache (a decode step streams every layer's weights from memory, so
-one matrix timed in a loop would measure the cache instead), and a matrix larger than that is cut
-to its first output rows (GEMM time scales with them); at 256 rows the cut is smaller so one
-timing costs milliseconds. Each path: a warm-up call, then the median of :data:`REPEATS` passes; a
+elements: at one and 16 rows (:func:`decode_working_set`), distinct copies of the matrix run in
+turn until they exceed the last-level cache 1.5 times (a decode step streams every layer's weights
+from memory, so one matrix timed in a loop would measure the cache instead), but never more than
+the whole model (a model that fits in the cache decodes from it), and a matrix larger than that is
+cut to its first output rows (GEMM time scales with them); at 256 rows the cut is
+:data:`PREFILL_WORKING_SET` so one timing costs milliseconds. (A fixed 32 MiB working set, sized
+for a 32 MiB L3, measured a 480 MiB-L3 Xeon's cache: torch's one-row logits 11.3 ms there, 17 ms in
+a real decode step.) Each path: a warm-up call, then the median of :data:`REPEATS` passes; a
 path whose first pass is more than :data:`ABORT_RATIO` times the best so far is not timed again.
 On this repo's 2-core EPYC the 0.5B shape takes about 2 s; see docs/kernels.md.
 
@@ -26,10 +29,12 @@ import torch
 
 from kvserve.model.gemm_paths import BAND_ROWS, build_linear, build_mlp
 
-WORKING_SET = {1: 16 << 20, 16: 16 << 20, 256: 1 << 20}
-"""Weight elements run per timed pass, per measured row count (one row: 32 MiB in bf16, the L3
-of this repo's machine; 16 rows share those matrices)."""
-MAX_COPIES = 64
+MIN_DECODE_WORKING_SET = 16 << 20
+"""Weight elements per timed pass at 1 and 16 rows, at least (32 MiB in bf16; 16 rows share the
+one-row matrices)."""
+PREFILL_WORKING_SET = 1 << 20
+"""Weight elements per timed pass at 256 rows."""
+MAX_COPIES = 4096
 REPEATS = 3
 ABORT_RATIO = 3.0
 
@@ -55,6 +60,14 @@ def role_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int, vocab
             RoleShape("o", ((hidden, q_size),), layers),
             RoleShape("mlp", ((2 * intermediate, hidden), (hidden, intermediate)), layers),
             RoleShape("lm_head", ((vocab, hidden),), 1))
+
+
+def decode_working_set(roles: tuple[RoleShape, ...], dtype: torch.dtype, llc_bytes: int | None) -> int:
+    """Weight elements per timed pass at 1 and 16 rows: 1.5x the last-level cache, capped at the
+    model's own weights, at least :data:`MIN_DECODE_WORKING_SET`."""
+    model = sum(r.elements * r.count for r in roles)
+    past_cache = int(1.5 * (llc_bytes or 0)) // dtype.itemsize
+    return max(MIN_DECODE_WORKING_SET, min(past_cache, model))
 
 
 def _cut(rs: RoleShape, budget: int) -> tuple[tuple[tuple[int, int], ...], int, float]:
@@ -102,28 +115,30 @@ def _set_inline(mods: list[torch.nn.Module], inline: bool) -> None:
 
 
 def time_role(rs: RoleShape, rows: tuple[int, ...], paths: tuple[str, ...],
-              dtype: torch.dtype) -> dict[int, dict[str, float]]:
-    """``{rows: {path: us}}`` for role ``rs``; every row count given must share one working set.
+              dtype: torch.dtype, working_set: int) -> dict[int, dict[str, float]]:
+    """``{rows: {path: us}}`` for role ``rs`` on ``working_set`` weight elements per pass (every
+    row count given shares them).
 
     The weights are built once per path and timed at each row count. ``fbgemm_fp16_x1`` is timed
     on the ``fbgemm_fp16_xN`` modules with their shards run one after another on the calling
     thread (the same GEMMs, one packing instead of two; FBGEMM's time per row block is linear)."""
-    shapes, copies, scale = _cut(rs, WORKING_SET[rows[0]])
+    shapes, copies, scale = _cut(rs, working_set)
     weights = [[torch.full(s, 0.01, dtype=dtype) for s in shapes] for _ in range(copies)]  # values don't matter
     x = {r: torch.randn(r, shapes[0][1], generator=torch.Generator().manual_seed(0)).to(dtype) for r in rows}
     sharded = next((p for p in paths if p.startswith("fbgemm_fp16_x") and p != "fbgemm_fp16_x1"), None)
     out: dict[int, dict[str, float]] = {r: {} for r in rows}
-    built: dict[str, list[torch.nn.Module]] = {}
+    kept: list[torch.nn.Module] = []  # the sharded modules, which x1 reuses; other paths' go when timed
     for path in paths:
-        if path == "fbgemm_fp16_x1" and sharded is not None:
-            mods = built.setdefault(sharded, _modules(rs, sharded, weights))
+        if path in (sharded, "fbgemm_fp16_x1") and sharded is not None:
+            mods = kept = kept or _modules(rs, sharded, weights)
         else:
-            mods = built.setdefault(path, _modules(rs, path, weights))
+            mods = _modules(rs, path, weights)
         _set_inline(mods, path == "fbgemm_fp16_x1")
         for r in rows:
             best = min(out[r].values()) if out[r] else None
             out[r][path] = _time(mods, x[r], scale, best)
         _set_inline(mods, False)
+        del mods
     return out
 
 
@@ -131,13 +146,16 @@ def measure(roles: tuple[RoleShape, ...], paths: tuple[str, ...], dtype: torch.d
             timer: Timer | None = None) -> dict[str, list[dict[str, float]]]:
     """``{role: [ {path: us} for each band ]}``, bands in :data:`~kvserve.model.gemm_paths.BANDS`
     order. ``timer(role, rows, path, dtype) -> us`` replaces the measurement (tests)."""
+    from kvserve.bench.machine import last_level_cache_bytes
+
     out: dict[str, list[dict[str, float]]] = {}
+    decode_set = decode_working_set(roles, dtype, last_level_cache_bytes())
     for rs in roles:
         if timer is not None:
             out[rs.role] = [{p: timer(rs, r, p, dtype) for p in paths} for r in BAND_ROWS]
             continue
         got: dict[int, dict[str, float]] = {}
-        for group in ((1, 16), (256,)):
-            got.update(time_role(rs, group, paths, dtype))
+        for group, working_set in (((1, 16), decode_set), ((256,), PREFILL_WORKING_SET)):
+            got.update(time_role(rs, group, paths, dtype, working_set))
         out[rs.role] = [got[r] for r in BAND_ROWS]
     return out

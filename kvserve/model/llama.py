@@ -35,6 +35,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.layer_kv import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.gemm_paths import in_row_blocks
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.native import fused
 
@@ -113,6 +114,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._rows, x)                           # a prompt's rows 512 at a time
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                                # [T, 2 * I]: gate, up
         return self.down_proj(fused.silu_mul(gate_up, self.intermediate_size))
 

@@ -209,7 +209,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     model.to(dev)  # the rope buffer (built on CPU) follows the weights
     model.eval()
     model.requires_grad_(False)
-    if plan is not None and plan.repacks():
+    if plan is not None and plan.swaps_modules():
         apply_plan(model, plan)
         _map_embedding(model, files)
         release_free_memory()

@@ -1,14 +1,17 @@
 """kvserve's own GEMM for bf16/fp16 weights on AVX2 CPUs (the ``kvserve_tiled`` GEMM path).
 
 The kernel (``kvserve/native/csrc/tiled_gemm.cpp``, built on first use like the other native
-extensions) keeps each weight in its own dtype, repacked once into groups of 4 rows whose 8-value
-chunks are interleaved, so a group is one sequential stream of 64-byte lines. A decode step's few
-rows (up to 16) run as register-blocked dot products with the weight widened in registers, split
-over torch's intra-op threads (OpenMP: a fork costs microseconds, against ~50-75 us for the Python
-pool FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them with MKL's
-sgemm, 512 rows at a time. Measured against FBGEMM fp16 on this repo's 2-core AMD EPYC, one row
-(``benchmarks/gemm_plan.py``): 0.44-0.93x the time on a layer's matrices, 0.65x on the logits
-projection (docs/kernels.md).
+extensions) reads each weight as loaded: row-major, in its own dtype, no repacked copy. So a role
+can run this path in one row band and torch's matmul in another on the same tensor (the GEMM plan
+splits bands between the two at no memory cost), and a tied logits projection reads the embedding
+itself. A decode step's few rows (up to 16) run as register-blocked dot products over groups of 4
+weight rows, widened in registers, the next group prefetched into L2 line by line, split over
+torch's intra-op threads (OpenMP: a fork costs microseconds, against ~50-75 us for the Python pool
+FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them with MKL's sgemm,
+512 rows at a time. Measured one row (``benchmarks/gemm_plan.py``): on a 2-core AMD EPYC (AVX2)
+0.44-0.93x FBGEMM fp16's time on a layer's matrices and 0.65x on the logits projection; on a
+2-core Xeon with AMX 0.39-0.66x torch's (oneDNN) matmul, which is 3-7x faster from 16 rows up
+(docs/kernels.md).
 
 Numerics: fp32 products and sums, bias added in fp32, one rounding to the output dtype; the
 weights are not rounded at all (FBGEMM rounds bf16 to fp16). Only the summation order differs from
@@ -45,13 +48,11 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 class TiledLinear(nn.Module):
-    """``y = x @ W.T + b`` over ``W`` repacked for the kernel (the loaded weight is not kept).
+    """``y = x @ W.T + b`` on the kernel, over ``W`` itself (the tensor given, not a copy).
 
-    The output is ``out_dtype`` or, when ``None``, the input's dtype. The packed weight is an
-    opaque buffer (not a parameter, not in the state dict).
+    The output is ``out_dtype`` or, when ``None``, the input's dtype.
     """
 
-    packed: torch.Tensor
     bias: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
@@ -61,7 +62,7 @@ class TiledLinear(nn.Module):
             raise ValueError(f"kvserve_tiled cannot hold a {weight.dtype} {tuple(weight.shape)} weight here")
         self.out_features, self.in_features = weight.shape
         self.out_dtype = out_dtype
-        self.register_buffer("packed", ext.pack(weight.detach().contiguous()), persistent=False)
+        self.weight = weight if weight.is_contiguous() else nn.Parameter(weight.contiguous(), requires_grad=False)
         self.register_buffer("bias", torch.empty(0) if bias is None else bias.detach().float().contiguous(),
                              persistent=False)
         self._gemm = ext.gemm
@@ -69,10 +70,10 @@ class TiledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out]``."""
         out = self.out_dtype or x.dtype
-        return self._gemm(x, self.packed, self.out_features, self.bias, _OUT_CODE[out])  # type: ignore[no-any-return]
+        return self._gemm(x, self.weight, self.bias, _OUT_CODE[out])  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.packed.dtype} tiled"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype} tiled"
 
 
 class TiledMLP(nn.Module):

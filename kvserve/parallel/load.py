@@ -100,7 +100,7 @@ def load_shard(path: str | Path, rank: int, tp: int, reduce: Reduce, dtype: str 
     model.requires_grad_(False)
     if plan is not None and rank != 0:
         plan = without_logits(plan)
-    if plan is not None and plan.repacks():
+    if plan is not None and plan.swaps_modules():
         apply_plan(model, plan)
         if rank == 0:
             loader._map_embedding(model, files)

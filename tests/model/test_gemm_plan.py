@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.bench.machine import last_level_cache_bytes
 from kvserve.model import gemm_plan
 from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
-from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, band_of
+from kvserve.model.gemm_paths import BANDS, ROW_BLOCK, BandDispatch, NativeLinear, NativeMLP, band_of
 from kvserve.model.gemm_plan import GemmPlan, decide, plan_for, uniform
-from kvserve.model.gemm_tune import RoleShape, role_shapes
+from kvserve.model.gemm_tune import MIN_DECODE_WORKING_SET, RoleShape, decode_working_set, role_shapes
 from kvserve.model.loader import load_model
 from kvserve.native import choices
 
@@ -162,6 +163,25 @@ def test_a_split_plan_matches_transformers_in_every_band(case: str, hf_checkpoin
     check_bf16_against_transformers(model, config, hf)  # 20-row prefills: x2 band; 4 decodes: native; 1: X
 
 
+def test_a_split_between_native_and_the_tiled_kernel_costs_no_memory() -> None:
+    """The two read the same loaded tensor, so a split between them is kept with no budget at all,
+    while one with an FBGEMM band needs its copy's bytes."""
+    tiled = "kvserve_tiled"
+    mlp = [{"native": 30.0, tiled: 10.0, X: 25.0}, {"native": 10.0, tiled: 30.0, X: 25.0},
+           {"native": 100.0, tiled: 300.0, X: 120.0}]
+    plan = decide({"mlp": mlp}, {"mlp": 1 << 30}, 0, "measured")
+    assert plan.paths["mlp"] == (tiled, "native", "native") and plan.extra_bytes == 0
+    with_x1 = [{"native": 30.0, X: 10.0}, {"native": 10.0, X: 30.0}, {"native": 100.0, X: 300.0}]
+    assert decide({"mlp": with_x1}, {"mlp": 1 << 30}, 0, "measured").paths["mlp"] == ("native",) * 3
+    plan = decide({"mlp": with_x1}, {"mlp": 1 << 30}, 1 << 30, "measured")
+    assert plan.paths["mlp"] == (X, "native", "native") and plan.extra_bytes == 1 << 30
+    # a band where FBGEMM only ties the tiled kernel (within 5 %) takes the free one
+    tie = [{"native": 30.0, tiled: 10.3, X: 10.0}, {"native": 10.0, tiled: 30.0, X: 40.0},
+           {"native": 100.0, tiled: 300.0, X: 400.0}]
+    plan = decide({"mlp": tie}, {"mlp": 1 << 30}, 1 << 30, "measured")
+    assert plan.paths["mlp"] == (tiled, "native", "native") and plan.extra_bytes == 0
+
+
 def test_native_linear_is_the_loaded_weight() -> None:
     w = torch.randn(8, 4, dtype=torch.bfloat16)
     lin = NativeLinear(w, None, torch.float32)
@@ -183,3 +203,40 @@ def test_openmp_paths_and_pool_shards_never_share_a_plan() -> None:
     plan = decide({"qkv": qkv, "mlp": slow}, {"qkv": 1, "mlp": 1}, 0, "measured", {"qkv": 24, "mlp": 24})
     assert plan.paths == {"qkv": (X,) * 3, "mlp": (x2,) * 3}
     assert plan.timings_us["qkv"] == qkv  # every path's timing is kept for the record
+
+
+def test_one_row_timings_run_past_the_last_level_cache_but_not_past_the_model(tmp_path: Path) -> None:
+    """A decode streams the model's weights from memory, so one-row timings must too: 1.5x the
+    cache (read from sysfs), capped at the model's own weights (a model that fits decodes from
+    the cache), at least the floor."""
+    for level, kind, size in ((1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                              (3, "Unified", "480M")):
+        d = tmp_path / f"index{level}{kind[0]}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    llc = last_level_cache_bytes(tmp_path)
+    assert llc == 480 << 20
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+    big = role_shapes(896, 4864, 896, 128, 151936, 24)  # 494M elements
+    assert decode_working_set(big, torch.bfloat16, llc) == int(1.5 * llc) // 2
+    assert decode_working_set(big, torch.bfloat16, 32 << 20) == 24 << 20  # a 32 MiB L3: 48 MiB of bf16
+    assert decode_working_set(big, torch.bfloat16, 8 << 20) == MIN_DECODE_WORKING_SET
+    assert decode_working_set(big, torch.bfloat16, None) == MIN_DECODE_WORKING_SET
+    mid = role_shapes(2048, 8192, 2048, 512, 32000, 4)  # 301M elements, under 1.5x the cache
+    assert decode_working_set(mid, torch.bfloat16, llc) == sum(r.elements * r.count for r in mid)
+
+
+@pytest.mark.parametrize("rows", [1, 512, 513, 1100])
+def test_the_native_mlp_runs_long_prompts_in_row_blocks_with_the_same_result(rows: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    gate_up, down = torch.randn(2 * 24, 16, generator=g).bfloat16(), torch.randn(16, 24, generator=g).bfloat16()
+    x = torch.randn(rows, 16, generator=g).bfloat16()
+    calls: list[int] = []
+    mlp = NativeMLP(gate_up, down)
+    rows_fn = mlp._rows
+    mlp._rows = lambda t: (calls.append(t.shape[0]), rows_fn(t))[1]  # type: ignore[method-assign]
+    got = mlp(x)
+    assert max(calls) <= ROW_BLOCK and sum(calls) == rows
+    assert torch.allclose(got.float(), rows_fn(x).float(), rtol=1e-2, atol=1e-2)  # the same rows, one call

@@ -49,7 +49,7 @@ def test_map_tensor_equals_the_stored_tensor_and_refuses_a_cast(tied_bf16):
 
 
 def test_packed_tied_model_reads_its_embedding_from_the_file(tied_bf16):
-    model, _ = load_model(tied_bf16, dtype="bfloat16")
+    model, _ = load_model(tied_bf16, dtype="bfloat16", cpu_fp16_gemm=True)  # packed on any CPU
     emb = model.model.embed_tokens.weight
     assert isinstance(model.lm_head, PackedFp16Linear)
     assert str(weight_files(tied_bf16)[0]) in mapped_files(emb)
@@ -64,7 +64,7 @@ def test_packed_tied_model_reads_its_embedding_from_the_file(tied_bf16):
 
 def test_an_untied_packed_model_maps_its_embedding_too(tmp_path):
     build_hf_model("llama-gqa").to(torch.bfloat16).save_pretrained(tmp_path)
-    model, _ = load_model(tmp_path, dtype="bfloat16")
+    model, _ = load_model(tmp_path, dtype="bfloat16", cpu_fp16_gemm=True)
     file = str(weight_files(tmp_path)[0])
     assert file in mapped_files(model.model.embed_tokens.weight)
     assert isinstance(model.lm_head, PackedFp16Linear)

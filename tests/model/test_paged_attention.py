@@ -67,6 +67,7 @@ CASES = {
     "decodes-unequal": [(3, 1), (17, 1), (8, 1), (1, 1)],
     "mixed": [(0, 7), (12, 1), (5, 6), (20, 1), (0, 1)],
     "single-decode": [(13, 1)],
+    "prompts": [(0, 32), (0, 2), (4, 9)],  # first chunks take torch's causal kernel (no window, or one past them)
 }
 
 
@@ -74,6 +75,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_dense_reference(case: str, window: int | None) -> None:
     run_case(CASES[case], window)
+
+
+def test_a_window_longer_than_the_prompt_keeps_the_causal_kernel() -> None:
+    run_case([(0, 20), (0, 40)], 40)
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import tiled_gemm
-from kvserve.model.gemm_apply import apply_plan
+from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
 from kvserve.model.gemm_paths import candidate_paths, path_fits
 from kvserve.model.gemm_plan import uniform
 from kvserve.model.loader import load_model
@@ -29,24 +29,25 @@ def _w(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.2).to(dtype)
 
 
-def test_packed_layout_interleaves_four_rows_per_chunk_and_pads_with_zeros() -> None:
-    w = torch.arange(6 * 16, dtype=torch.float32).reshape(6, 16).to(torch.bfloat16)
-    packed = tiled_gemm._ext().pack(w)  # type: ignore[union-attr]
-    assert packed.shape == (2, 2, 4, 8) and packed.dtype == torch.bfloat16
-    for g in range(2):
-        for c in range(2):
-            for r in range(4):
-                row = 4 * g + r
-                want = w[row, 8 * c:8 * c + 8] if row < 6 else torch.zeros(8, dtype=torch.bfloat16)
-                assert torch.equal(packed[g, c, r], want)
+def test_the_module_reads_the_weight_it_was_given_not_a_copy() -> None:
+    """The kernel reads W as loaded (row-major), so the tiled path and torch's matmul share it."""
+    w = _w(6, 16, torch.bfloat16)
+    lin = TiledLinear(w, None)
+    assert lin.weight is w
+    assert not any(t.data_ptr() != w.data_ptr() and t.numel() >= w.numel()
+                   for t in [*lin.parameters(), *lin.buffers()])
+    strided = _w(16, 6, torch.bfloat16).t()  # a transposed view: the one case that takes a contiguous copy
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(TiledLinear(strided, None, torch.float32)(x), TiledLinear(strided.contiguous(), None, torch.float32)(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 17, 40, 520])
-@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 24), (130, 1032)])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (6, 16), (7, 24), (130, 1032)])
 def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
-    """Both regimes (<= 16 rows: register dots; more: widened panels, K sliced at 512 when it is
-    longer; over 512 rows, the rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
+    """Both regimes (<= 16 rows: register dots over 4-row groups, the last one short when N is not
+    a multiple of 4; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
+    rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
     every output dtype is that fp32 result rounded once."""
     w = _w(n, k, dtype)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
@@ -59,6 +60,14 @@ def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n:
         y = TiledLinear(w, bias, out)(x)
         assert y.dtype == out and torch.equal(y, y32.to(out))
     assert TiledLinear(w, None)(x).dtype == dtype  # default: the input's dtype
+
+
+def test_bf16_calls_of_few_rows_use_avx512_bf16_where_the_cpu_has_it() -> None:
+    """The build is -march=native: on a CPU with AVX512-BF16 the bf16 x bf16 regime is compiled in
+    (so the cases above ran it for bf16 inputs of up to 16 rows); elsewhere it is not."""
+    from kvserve.bench.machine import cpu_info
+
+    assert tiled_gemm._ext().bf16_dot() == ("avx512_bf16" in cpu_info()["flags"])  # type: ignore[union-attr]
 
 
 def test_an_fp32_or_odd_width_weight_does_not_fit() -> None:
@@ -95,6 +104,8 @@ def test_a_model_on_the_tiled_path_matches_transformers(case: str, hf_checkpoint
     model, _ = load_model(path, dtype="bf16", cpu_fp16_gemm=False)
     assert apply_plan(model, uniform("kvserve_tiled", "forced")) == 3 * config.num_hidden_layers + 1
     assert sum(isinstance(m, TiledLinear) for m in model.modules()) == 4 * config.num_hidden_layers + 1
+    if case == "qwen2-bias-tied":  # the tied logits read the embedding itself: no second copy
+        assert lm_head_reads_embedding(model)
     prompts = check_bf16_against_transformers(model, config, hf)
     mine, _ = PagedRunner(model, config, seed=5).greedy(prompts[1], 16)
     theirs, _ = PagedRunner(native, config, seed=5).greedy(prompts[1], 16)

@@ -65,10 +65,13 @@ def test_rotary_on_a_strided_view_is_bit_equal(ext, dtype: torch.dtype, t: int) 
                                                   (torch.float32, None), (torch.float32, torch.bfloat16),
                                                   (torch.float32, torch.float16)])
 @pytest.mark.parametrize("rows", [1, 20])
-def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, rows: int) -> None:  # type: ignore[no-untyped-def]
-    gu = 3 * rand(rows, 2 * 80, dtype=gu_dtype)
-    got, ref = fused.silu_mul(gu, 80, round_dtype), fused.silu_mul_reference(gu, 80, round_dtype)
-    assert got.dtype == gu_dtype and got.shape == (rows, 80)
+@pytest.mark.parametrize("width", [80, 83, 4864])  # 8-lane vectors only; a scalar tail; a model's width
+def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, rows: int,  # type: ignore[no-untyped-def]
+                  width: int) -> None:
+    gu = 3 * rand(rows, 2 * width, dtype=gu_dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends and zero
+    got, ref = fused.silu_mul(gu, width, round_dtype), fused.silu_mul_reference(gu, width, round_dtype)
+    assert got.dtype == gu_dtype and got.shape == (rows, width)
     assert ulps(got.to(round_dtype or gu_dtype), ref.to(round_dtype or gu_dtype)) <= TOL_ULPS[round_dtype or gu_dtype]
     if (round_dtype or gu_dtype) != torch.float32:
         assert (got == ref).float().mean() > 0.98
