@@ -11,6 +11,8 @@ matmuls run:
 ``fbgemm_fp16_x1`` FBGEMM's fp16-weight GEMM, one shard on the calling thread (:mod:`cpu_gemm`)
 ``fbgemm_fp16_xN`` the same, output rows split over N threads (N = ``torch.get_num_threads()``)
 ``fbgemm_fp16``    the same, sharded by :mod:`cpu_gemm`'s size rule (the untimed default)
+``onednn_packed``  oneDNN's matmul on the bf16 weight reordered once into its blocked layout
+                   (:mod:`kvserve.model.onednn_gemm`; AMX / AVX-512 BF16 CPUs only)
 ``kvserve_tiled``  kvserve's own AVX2 kernel on the weight as loaded (the same tensor as ``native``;
                    :mod:`kvserve.model.tiled_gemm`), split over torch's intra-op threads
 =================  ===================================================================================
@@ -25,14 +27,14 @@ computes the same function of its input up to fp32 summation order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import tiled_gemm
+from kvserve.model import onednn_gemm, tiled_gemm
 from kvserve.model.cpu_gemm import PackedFp16Linear, PackedFp16MLP, fbgemm_fp16_available
+from kvserve.model.onednn_gemm import OneDNNLinear, OneDNNMLP
+from kvserve.model.row_blocks import in_row_blocks
 from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
 from kvserve.native import fused
 
@@ -52,6 +54,7 @@ def candidate_paths(threads: int | None = None) -> tuple[str, ...]:
     (sharded when more than one thread runs); kvserve's tiled kernel where it built."""
     n = threads if threads is not None else torch.get_num_threads()
     tiled = ("kvserve_tiled",) if tiled_gemm.tiled_gemm_available() else ()
+    tiled += ("onednn_packed",) if onednn_gemm.onednn_packed_available() else ()
     if not fbgemm_fp16_available():
         return ("native",) + tiled
     return ("native", "fbgemm_fp16_x1") + ((f"fbgemm_fp16_x{n}",) if n > 1 else ()) + tiled
@@ -67,22 +70,9 @@ def _shards(path: str) -> int | None:
     return int(path.rpartition("_x")[2]) if "_x" in path else None
 
 
-ROW_BLOCK = 512
-"""Rows per call of the native MLP: measured on an AMX Xeon (0.5B shape, bf16), the gate/up, SiLU
-and down of 2,048 rows took 47.6 ms in one call and 31.6 ms as four calls of 512 (the [rows, 2I]
-intermediate stays in cache)."""
-
-
-def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for a row-wise ``fn``, run :data:`ROW_BLOCK` rows at a time."""
-    if x.shape[0] <= ROW_BLOCK:
-        return fn(x)
-    return torch.cat([fn(x[i:i + ROW_BLOCK]) for i in range(0, x.shape[0], ROW_BLOCK)])
-
-
 class NativeMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with torch matmuls on the given weights (no copy), in
-    blocks of :data:`ROW_BLOCK` rows."""
+    blocks of :data:`~kvserve.model.row_blocks.ROW_BLOCK` rows."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
@@ -118,6 +108,8 @@ def build_linear(path: str, weight: torch.Tensor, bias: torch.Tensor | None,
         return NativeLinear(weight, bias, out_dtype)
     if path == "kvserve_tiled":
         return TiledLinear(weight, bias, out_dtype)
+    if path == "onednn_packed":
+        return OneDNNLinear(weight, bias, out_dtype)
     return PackedFp16Linear(weight, bias, out_dtype, shards=_shards(path))
 
 
@@ -127,14 +119,18 @@ def build_mlp(path: str, gate_up: torch.Tensor, down: torch.Tensor) -> nn.Module
         return NativeMLP(gate_up, down)
     if path == "kvserve_tiled":
         return TiledMLP(gate_up, down)
+    if path == "onednn_packed":
+        return OneDNNMLP(gate_up, down)
     return PackedFp16MLP(gate_up, down, shards=_shards(path))
 
 
 def path_fits(path: str, *weights: torch.Tensor) -> bool:
     """Whether ``path`` can hold these weights (fp16 packing needs every value within fp16 range;
-    the tiled kernel a bf16/fp16 matrix with an input size a multiple of 8)."""
+    the tiled kernel a bf16/fp16 matrix with an input size a multiple of 8; oneDNN's packing a bf16 one)."""
     if path == "kvserve_tiled":
         return all(tiled_gemm.fits(w) for w in weights)
+    if path == "onednn_packed":
+        return all(onednn_gemm.fits(w) for w in weights)
     return path == "native" or all(PackedFp16Linear.fits(w) for w in weights)
 
 

@@ -21,7 +21,7 @@ some band, keeping both costs that role's weights once more per extra storage
 tensor, so a split between them is free); such splits are allowed, the most gain per extra byte
 first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
 :data:`EXTRA_BYTES_DEFAULT`: the memory target is weights + KV pool + 300 MiB, most of which the
-runtime itself takes; on the 0.5B shape one copy of the MLPs is 418 MiB, of the logits 260 MiB).
+runtime itself takes; on the 0.5B shape one copy of the MLPs is 598 MiB, of the logits 260 MiB).
 That is done once per thread family (:data:`FAMILIES`: OpenMP-threaded paths and FBGEMM's pool
 shards do not share a plan), and the family plan whose slowest band, summed over the forward's
 matrices, is closest to the best family's wins.
@@ -103,8 +103,9 @@ def _pooled(path: str) -> bool:
     return path.startswith("fbgemm_fp16_x") and path != "fbgemm_fp16_x1"
 
 
-FAMILIES = (lambda p: not _pooled(p), lambda p: p not in ("native", "kvserve_tiled"))
-"""Paths that may share a plan. OpenMP-threaded paths (torch's matmul, the tiled kernel) and
+OPENMP_PATHS = ("native", "kvserve_tiled", "onednn_packed")
+FAMILIES = (lambda p: not _pooled(p), lambda p: p not in OPENMP_PATHS)
+"""Paths that may share a plan. OpenMP-threaded paths (torch's matmul, the tiled kernel, oneDNN's) and
 FBGEMM's pool shards contend for the cores when mixed: OpenMP's workers spin after each region
 while a pool thread wants the core (0.5B decode step on 2 cores: 106-110 ms mixed, 84 ms with
 every role on the tiled kernel, though each role timed alone favoured the mix). Single-thread

@@ -35,8 +35,8 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.kv.layer_kv import LayerKV
 from kvserve.model.attention import AttentionMetadata, paged_attention
-from kvserve.model.gemm_paths import in_row_blocks
 from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.row_blocks import in_row_blocks
 from kvserve.native import fused
 
 

@@ -15,10 +15,11 @@ from kvserve.bench.machine import last_level_cache_bytes
 from kvserve.model import gemm_plan
 from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
-from kvserve.model.gemm_paths import BANDS, ROW_BLOCK, BandDispatch, NativeLinear, NativeMLP, band_of
+from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, NativeMLP, band_of
 from kvserve.model.gemm_plan import GemmPlan, decide, plan_for, uniform
 from kvserve.model.gemm_tune import MIN_DECODE_WORKING_SET, RoleShape, decode_working_set, role_shapes
 from kvserve.model.loader import load_model
+from kvserve.model.row_blocks import ROW_BLOCK
 from kvserve.native import choices
 
 from .helpers import PagedRunner, check_bf16_against_transformers, random_prompt

@@ -67,7 +67,8 @@ def test_rotary_on_a_strided_view_is_bit_equal(ext, dtype: torch.dtype, t: int) 
 @pytest.mark.parametrize("rows", [1, 20])
 @pytest.mark.parametrize("width", [80, 83, 4864])  # 8-lane vectors only; a scalar tail; a model's width
 def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, rows: int,  # type: ignore[no-untyped-def]
-                  width: int) -> None:
+                  width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "SILU_NATIVE_ROWS", 1 << 30)  # the kernel for every row count here
     gu = 3 * rand(rows, 2 * width, dtype=gu_dtype)
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends and zero
     got, ref = fused.silu_mul(gu, width, round_dtype), fused.silu_mul_reference(gu, width, round_dtype)
@@ -75,6 +76,16 @@ def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, r
     assert ulps(got.to(round_dtype or gu_dtype), ref.to(round_dtype or gu_dtype)) <= TOL_ULPS[round_dtype or gu_dtype]
     if (round_dtype or gu_dtype) != torch.float32:
         assert (got == ref).float().mean() > 0.98
+
+
+def test_silu_mul_leaves_many_rows_to_torch(ext, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    calls: list[int] = []
+    real = ext.silu_mul
+    monkeypatch.setattr(ext, "silu_mul", lambda *a: (calls.append(1), real(*a))[1])
+    few, many = rand(fused.SILU_NATIVE_ROWS, 64, dtype=torch.bfloat16), rand(fused.SILU_NATIVE_ROWS + 1, 64, dtype=torch.bfloat16)
+    fused.silu_mul(few, 32)
+    assert calls == [1]
+    assert torch.equal(fused.silu_mul(many, 32), fused.silu_mul_reference(many, 32)) and calls == [1]
 
 
 def test_switched_off_every_op_is_its_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,14 +63,15 @@ inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // out[m][0..3] = dot(W rows w[0..3], x row m) for MT input rows (x rows xs apart, fp32), K = 8 * chunks.
+// pf: this is the group's first pass (the one that streams it from memory): prefetch the next.
 template <int MT, bool BF16>
-inline void group_dots(const uint16_t* const* w, const float* x, int64_t xs, int64_t chunks, float* out) {
+inline void group_dots(const uint16_t* const* w, const float* x, int64_t xs, int64_t chunks, float* out, bool pf) {
   __m256 acc[MT][kRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
-    if constexpr (MT == 1) prefetch_l2(w[0] + (chunks + c) * kRows * kChunk);  // the next group's line c
+    if (pf) prefetch_l2(w[0] + (chunks + c) * kRows * kChunk);  // the next group's line c
     __m256 xv[MT];
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * xs + c * kChunk);
@@ -88,8 +89,8 @@ inline void group_dots(const uint16_t* const* w, const float* x, int64_t xs, int
 template <bool BF16>
 void dots(const uint16_t* const* wg, const float* x, int64_t xs, int64_t rows, int64_t chunks, float* out) {
   int64_t m = 0;
-  for (; m + 2 <= rows; m += 2) group_dots<2, BF16>(wg, x + m * xs, xs, chunks, out + m * kRows);
-  if (rows - m == 1) group_dots<1, BF16>(wg, x + m * xs, xs, chunks, out + m * kRows);
+  for (; m + 2 <= rows; m += 2) group_dots<2, BF16>(wg, x + m * xs, xs, chunks, out + m * kRows, m == 0);
+  if (rows - m == 1) group_dots<1, BF16>(wg, x + m * xs, xs, chunks, out + m * kRows, m == 0);
 }
 
 // W rows [n0, n0 + rows), columns [k0, k0 + kn) -> fp32 [rows, kn] row-major (kn % 8 == 0)
@@ -107,14 +108,14 @@ void widen_panel(const uint16_t* w, int64_t k, int64_t n0, int64_t rows, int64_t
 // AVX2 path is FMA-bound. Products are exact in fp32; only the summation order differs.
 // out[m][0..3] = dot(W rows w[0..3], x row m) for MT input rows (bf16, xs apart), any K % 8 == 0.
 template <int MT>
-inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k, float* out) {
+inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k, float* out, bool pf) {
   __m512 acc[MT][kRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < k; j += 32) {
     const __mmask32 mask = k - j >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - j)) - 1;
-    if constexpr (MT == 1)  // the next group, 4 lines a step (see prefetch_l2)
+    if (pf)  // the next group, 4 lines a step (see prefetch_l2)
       for (int r = 0; r < kRows; ++r) prefetch_l2(w[0] + 4 * k + 4 * j + r * 32);
     __m512bh wv[kRows];
 #pragma GCC unroll 4
@@ -133,9 +134,9 @@ inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t
 
 void dots_bf16(const uint16_t* const* wg, const uint16_t* x, int64_t xs, int64_t rows, int64_t k, float* out) {
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) group_dots_bf16<4>(wg, x + m * xs, xs, k, out + m * kRows);
-  for (; m + 2 <= rows; m += 2) group_dots_bf16<2>(wg, x + m * xs, xs, k, out + m * kRows);
-  if (rows - m == 1) group_dots_bf16<1>(wg, x + m * xs, xs, k, out + m * kRows);
+  for (; m + 4 <= rows; m += 4) group_dots_bf16<4>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
+  for (; m + 2 <= rows; m += 2) group_dots_bf16<2>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
+  if (rows - m == 1) group_dots_bf16<1>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
 }
 #else
 #define KVS_BF16DOT 0
