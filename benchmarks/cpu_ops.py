@@ -9,7 +9,9 @@ Three tables (medians of ``--repeats``), with the CPU model and flags:
   last-level cache so a call streams from memory as a decode does;
 * **silu_mul**: the fused SiLU·mul kernel at 1, 4 and 512 rows against its torch reference;
 * **attention**: a 2,048-token prompt's causal attention (14 heads over 2 KV heads) through
-  torch's causal kernel against the explicit-mask form kvserve uses for later chunks.
+  torch's causal kernel against the explicit-mask form kvserve uses for later chunks;
+* **turn chunk**: a session turn's 65 new tokens over 3,500 cached ones, masked against split at
+  the cache boundary and merged by log-sum-exp (an experiment: not in kvserve).
 
 Writes JSON (default ``benchmarks/results/cpu_ops.json``).
 """
@@ -79,6 +81,35 @@ def attention_table(repeats: int, length: int = 2048) -> dict[str, float]:
             "explicit_mask": median_us(lambda: _attend(q, k, v, mask, 0.125), repeats)}
 
 
+def split_chunk_table(repeats: int, heads: int = 8, kv_heads: int = 2, d: int = 32, q_len: int = 65,
+                      ctx: int = 3500) -> dict[str, float]:
+    """A session turn's chunk (``q_len`` new tokens after ``ctx`` cached ones; default: the embedded
+    model at turn 37): the masked form kvserve runs, against splitting it into the cached context
+    (torch's flash kernel, no mask) and the chunk (causal), merged by their log-sum-exps (an
+    experiment, not in kvserve). Also the largest difference between the two outputs."""
+    g, total, scale = heads // kv_heads, ctx + q_len, d ** -0.5
+    q = torch.randn(q_len, heads, d).bfloat16()
+    k, v = torch.randn(kv_heads, total, d).bfloat16(), torch.randn(kv_heads, total, d).bfloat16()
+    mask = _causal_mask(q_len, total, None, q.device)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def split() -> torch.Tensor:
+        qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(1, kv_heads, g * q_len, d)
+        o1, l1 = flash(qg, k[None, :, :ctx], v[None, :, :ctx], 0.0, False, scale=scale)[:2]
+        kc, vc = (t[:, ctx:].repeat_interleave(g, 0)[None] for t in (k, v))
+        o2, l2 = flash(q.transpose(0, 1)[None], kc, vc, 0.0, True, scale=scale)[:2]
+        o1 = o1.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d).float()
+        l1 = l1.view(kv_heads, g, q_len).permute(2, 0, 1).reshape(q_len, heads)
+        o2, l2 = o2[0].transpose(0, 1).float(), l2[0].transpose(0, 1)
+        m = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
+
+    diff = (split().float() - _attend(q, k, v, mask, scale).float()).abs().max().item()
+    return {"masked": median_us(lambda: _attend(q, k, v, mask, scale), repeats),
+            "split_lse": median_us(split, repeats), "max_abs_diff": diff}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -91,6 +122,7 @@ def main() -> None:
           f"LLC: {(last_level_cache_bytes() or 0) >> 20} MiB  torch {torch.__version__}")
     with torch.inference_mode():
         gemm, silu, attn = gemm_table(args.repeats), silu_table(args.repeats), attention_table(args.repeats)
+        chunk = split_chunk_table(args.repeats)
     print("\ngate/up [9728, 896] bf16, µs per call (weights past the cache)")
     print(f"{'path':>16} " + " ".join(f"{f'{r} rows':>10}" for r in (1, 4, 16)))
     for path, by_rows in gemm.items():
@@ -99,11 +131,14 @@ def main() -> None:
         print(f"silu_mul [rows, 2 x 4864] bf16, {name}: " + ", ".join(f"{r} rows {us:.0f} µs" for r, us in by_rows.items()))
     print(f"attention, 2,048-token prompt, 14 heads / 2 KV heads, bf16, one layer: causal kernel "
           f"{attn['causal_kernel'] / 1e3:.1f} ms, explicit mask {attn['explicit_mask'] / 1e3:.1f} ms")
+    print(f"a turn's chunk, 65 tokens after 3,500 (8 heads / 2 KV heads, d 32), one layer: masked "
+          f"{chunk['masked'] / 1e3:.2f} ms, split + log-sum-exp merge {chunk['split_lse'] / 1e3:.2f} ms "
+          f"(max difference {chunk['max_abs_diff']:.1e})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"cpu": info, "llc_bytes": last_level_cache_bytes(),
                                            "torch": torch.__version__, "threads": args.threads,
                                            "gemm_gate_up_us": gemm, "silu_mul_us": silu,
-                                           "attention_2048_us": attn}, indent=1))
+                                           "attention_2048_us": attn, "turn_chunk_us": chunk}, indent=1))
     print(f"wrote {args.json}")
 
 
