@@ -10,6 +10,7 @@ Three tables (medians of ``--repeats``), with the CPU model and flags:
 * **silu_mul**: the fused SiLU·mul kernel at 1, 4 and 512 rows against its torch reference;
 * **attention**: a 2,048-token prompt's causal attention (14 heads over 2 KV heads) through
   torch's causal kernel against the explicit-mask form kvserve uses for later chunks;
+* **MLP rows**: the native MLP on 2,048 rows in 512-row blocks against one call;
 * **turn chunk**: a session turn's 65 new tokens over 3,500 cached ones, masked against split at
   the cache boundary and merged by log-sum-exp (an experiment: not in kvserve).
 
@@ -59,6 +60,16 @@ def gemm_table(repeats: int) -> dict[str, dict[int, float]]:
             out[path][rows] = median_us(lambda x=x, mods=mods: [m(x) for m in mods], repeats) / copies  # type: ignore[misc]
         del mods
     return out
+
+
+def mlp_rows_table(repeats: int, rows: int = 2048) -> dict[str, float]:
+    """The native MLP (torch's matmul) on a 2,048-token prompt: in 512-row blocks, as kvserve runs
+    it, against one call."""
+    from kvserve.model.gemm_paths import NativeMLP
+
+    mlp = NativeMLP((torch.randn(2 * 4864, 896) * 0.02).bfloat16(), (torch.randn(896, 4864) * 0.02).bfloat16())
+    x = torch.randn(rows, 896).bfloat16()
+    return {"row_blocks": median_us(lambda: mlp(x), repeats), "one_call": median_us(lambda: mlp._rows(x), repeats)}
 
 
 def silu_table(repeats: int) -> dict[str, dict[int, float]]:
@@ -122,7 +133,7 @@ def main() -> None:
           f"LLC: {(last_level_cache_bytes() or 0) >> 20} MiB  torch {torch.__version__}")
     with torch.inference_mode():
         gemm, silu, attn = gemm_table(args.repeats), silu_table(args.repeats), attention_table(args.repeats)
-        chunk = split_chunk_table(args.repeats)
+        chunk, mlp = split_chunk_table(args.repeats), mlp_rows_table(args.repeats)
     print("\ngate/up [9728, 896] bf16, µs per call (weights past the cache)")
     print(f"{'path':>16} " + " ".join(f"{f'{r} rows':>10}" for r in (1, 4, 16)))
     for path, by_rows in gemm.items():
@@ -131,6 +142,8 @@ def main() -> None:
         print(f"silu_mul [rows, 2 x 4864] bf16, {name}: " + ", ".join(f"{r} rows {us:.0f} µs" for r, us in by_rows.items()))
     print(f"attention, 2,048-token prompt, 14 heads / 2 KV heads, bf16, one layer: causal kernel "
           f"{attn['causal_kernel'] / 1e3:.1f} ms, explicit mask {attn['explicit_mask'] / 1e3:.1f} ms")
+    print(f"native MLP, 2,048 rows: in 512-row blocks {mlp['row_blocks'] / 1e3:.1f} ms, one call "
+          f"{mlp['one_call'] / 1e3:.1f} ms")
     print(f"a turn's chunk, 65 tokens after 3,500 (8 heads / 2 KV heads, d 32), one layer: masked "
           f"{chunk['masked'] / 1e3:.2f} ms, split + log-sum-exp merge {chunk['split_lse'] / 1e3:.2f} ms "
           f"(max difference {chunk['max_abs_diff']:.1e})")
@@ -138,7 +151,8 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({"cpu": info, "llc_bytes": last_level_cache_bytes(),
                                            "torch": torch.__version__, "threads": args.threads,
                                            "gemm_gate_up_us": gemm, "silu_mul_us": silu,
-                                           "attention_2048_us": attn, "turn_chunk_us": chunk}, indent=1))
+                                           "attention_2048_us": attn, "turn_chunk_us": chunk,
+                                           "native_mlp_2048_us": mlp}, indent=1))
     print(f"wrote {args.json}")
 
 

@@ -6,7 +6,7 @@ into its AMX/AVX-512 blocked layout on every call: a decode reads and rewrites e
 the weight is reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``, what torch's
 CPU inductor does for frozen weights) and every call runs ``torch.ops.mkldnn._linear_pointwise``
 on it. Measured on a 2-core AMX Xeon (0.5B gate/up matrix, weights past the cache, µs per call,
-``benchmarks/cpu_ops.py``): 770-825 against 1,135-1,165 at one row, 801-819 against 1,327-1,412 at 16,
+``benchmarks/cpu_ops.py``): 770-825 against 1,135-1,176 at one row, 766-819 against 1,327-1,412 at 4-16 rows,
 i.e. at the memory bound at both (docs/kernels.md). The reordered tensor replaces the loaded one (same bytes; its layout is
 oneDNN's, so no other path can read it).
 

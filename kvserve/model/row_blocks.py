@@ -8,8 +8,8 @@ import torch
 
 ROW_BLOCK = 512
 """Rows per call of the native MLP: measured on an AMX Xeon (0.5B shape, bf16), the gate/up, SiLU
-and down of 2,048 rows took 47.6 ms in one call and 31.6 ms as four calls of 512 (the [rows, 2I]
-intermediate stays in cache)."""
+and down of 2,048 rows took 47.6-50.5 ms in one call and 31.2-31.6 ms as four calls of 512 (the
+[rows, 2I] intermediate stays in cache; ``benchmarks/cpu_ops.py``)."""
 
 
 def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -95,8 +95,8 @@ def silu_mul_reference(gu: torch.Tensor, width: int, round_dtype: torch.dtype | 
 
 SILU_NATIVE_ROWS = 2
 """Rows up to which the kernel runs ``silu_mul``; more go to torch's own vectorised ops
-(``benchmarks/cpu_ops.py`` on an AMX Xeon, width 4,864, bf16: 6 against 14 µs at one row, 21
-against 23 at 4, 1.4 against 1.0 ms at 512)."""
+(``benchmarks/cpu_ops.py`` on an AMX Xeon, width 4,864, bf16: 6-7 against 12-15 µs at one row,
+19-23 either way at 4, 1.4-1.6 against 1.0-1.1 ms at 512)."""
 
 
 def silu_mul(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = None) -> torch.Tensor:
