@@ -70,8 +70,9 @@ class GemmPlan:
     extra_bytes: int = 0
 
     def swaps_modules(self) -> bool:
-        """Whether any role leaves torch's matmul in some band (FBGEMM or the tiled kernel): the
-        loaded model's modules are then replaced (:func:`kvserve.model.gemm_apply.apply_plan`)."""
+        """Whether any role leaves torch's matmul in some band (FBGEMM, the tiled kernel, oneDNN's
+        reordered weight): the loaded model's modules are then replaced
+        (:func:`kvserve.model.gemm_apply.apply_plan`)."""
         return any(p != "native" for bands in self.paths.values() for p in bands)
 
 

@@ -12,7 +12,8 @@ cut to its first output rows (GEMM time scales with them); at 256 rows the cut i
 for a 32 MiB L3, measured a 480 MiB-L3 Xeon's cache: torch's one-row logits 11.3 ms there, 17 ms in
 a real decode step.) Each path: a warm-up call, then the median of :data:`REPEATS` passes; a
 path whose first pass is more than :data:`ABORT_RATIO` times the best so far is not timed again.
-On this repo's 2-core EPYC the 0.5B shape takes about 2 s; see docs/kernels.md.
+The 0.5B shape takes about 2 s on the 2-core EPYC (32 MiB L3), 29 s and 2.5 GB of scratch on the
+2-core AMX Xeon (480 MiB L3); see docs/kernels.md.
 
 Reported figures are microseconds per call on the role's full matrix (a cut matrix's time scaled
 up by the rows cut). Invariant: every path of a role is timed on the same shapes and inputs.

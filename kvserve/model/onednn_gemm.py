@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvserve.model.row_blocks import in_row_blocks
-from kvserve.native import fused
+from kvserve.model.tiled_gemm import TiledMLP
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 REORDER_ROWS = 16
@@ -78,19 +78,11 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 onednn-packed"
 
 
-class OneDNNMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` on reordered weights, in blocks of 512 rows."""
+class OneDNNMLP(TiledMLP):
+    """``down(silu(gate(x)) * up(x))`` on reordered weights (:class:`TiledMLP`'s form on
+    :class:`OneDNNLinear`), in blocks of 512 rows."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        super().__init__()
-        if gate_up.shape != (2 * down.shape[1], down.shape[0]):
-            raise ValueError(f"gate_up {tuple(gate_up.shape)} does not match down {tuple(down.shape)}")
-        self.gate_up = OneDNNLinear(gate_up, None)
-        self.down = OneDNNLinear(down, None)
-        self.inter = down.shape[1]
+    linear = OneDNNLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return in_row_blocks(self._rows, x)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(fused.silu_mul(self.gate_up(x), self.inter))  # type: ignore[no-any-return]
+        return in_row_blocks(super().forward, x)

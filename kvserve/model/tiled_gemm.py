@@ -9,9 +9,12 @@ weight rows, widened in registers, the next group prefetched into L2 line by lin
 torch's intra-op threads (OpenMP: a fork costs microseconds, against ~50-75 us for the Python pool
 FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them with MKL's sgemm,
 512 rows at a time. Measured one row (``benchmarks/gemm_plan.py``): on a 2-core AMD EPYC (AVX2)
-0.44-0.93x FBGEMM fp16's time on a layer's matrices and 0.65x on the logits projection; on a
-2-core Xeon with AMX 0.39-0.66x torch's (oneDNN) matmul, which is 3-7x faster from 16 rows up
-(docs/kernels.md).
+0.44-0.93x FBGEMM fp16's time on a layer's matrices and 0.65x on the logits projection (session
+7's packed layout); on a 2-core Xeon with AMX 0.55-0.84x torch's plain (oneDNN) matmul, which is
+1.8-11x faster from 16 rows up (docs/kernels.md).
+
+:class:`TiledMLP` (two linears around :func:`fused.silu_mul`) names its linear in ``linear``, so
+:class:`~kvserve.model.onednn_gemm.OneDNNMLP` reuses it on its own.
 
 Numerics: fp32 products and sums, bias added in fp32, one rounding to the output dtype; the
 weights are not rounded at all (FBGEMM rounds bf16 to fp16). Only the summation order differs from
@@ -80,12 +83,14 @@ class TiledMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` on the kernel, rounding where torch's bf16 MLP rounds (the
     gate/up output and the activation in the model dtype)."""
 
+    linear: type[nn.Module] = TiledLinear
+
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
         if gate_up.shape != (2 * down.shape[1], down.shape[0]):
             raise ValueError(f"gate_up {tuple(gate_up.shape)} does not match down {tuple(down.shape)}")
-        self.gate_up = TiledLinear(gate_up, None)
-        self.down = TiledLinear(down, None)
+        self.gate_up = self.linear(gate_up, None)
+        self.down = self.linear(down, None)
         self.inter = down.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
