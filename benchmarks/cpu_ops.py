@@ -11,8 +11,8 @@ Three tables (medians of ``--repeats``), with the CPU model and flags:
 * **attention**: a 2,048-token prompt's causal attention (14 heads over 2 KV heads) through
   torch's causal kernel against the explicit-mask form kvserve uses for later chunks;
 * **MLP rows**: the native MLP on 2,048 rows in 512-row blocks against one call;
-* **turn chunk**: a session turn's 65 new tokens over 3,500 cached ones, masked against split at
-  the cache boundary and merged by log-sum-exp (an experiment: not in kvserve).
+* **turn chunk**: a session turn's 65 new tokens over 3,500 cached ones on the torch path, masked
+  against split at the cache boundary and merged by log-sum-exp (what kvserve runs since session 9).
 
 Writes JSON (default ``benchmarks/results/cpu_ops.json``).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.machine import cpu_info, last_level_cache_bytes
-from kvserve.model.attention import _attend, _causal_mask
+from kvserve.model.attention import _attend, _attend_split, _causal_mask
 from kvserve.model.gemm_paths import build_linear, candidate_paths
 from kvserve.native import fused
 
@@ -95,30 +95,17 @@ def attention_table(repeats: int, length: int = 2048) -> dict[str, float]:
 def split_chunk_table(repeats: int, heads: int = 8, kv_heads: int = 2, d: int = 32, q_len: int = 65,
                       ctx: int = 3500) -> dict[str, float]:
     """A session turn's chunk (``q_len`` new tokens after ``ctx`` cached ones; default: the embedded
-    model at turn 37): the masked form kvserve runs, against splitting it into the cached context
-    (torch's flash kernel, no mask) and the chunk (causal), merged by their log-sum-exps (an
-    experiment, not in kvserve). Also the largest difference between the two outputs."""
-    g, total, scale = heads // kv_heads, ctx + q_len, d ** -0.5
+    model at turn 37) through the torch path: the masked form, against the cascade split kvserve
+    runs since session 9 (``attention._attend_split``: the cached context through torch's flash
+    kernel with no mask, the chunk causally, merged by their log-sum-exps). Also the largest
+    difference between the two outputs."""
+    scale = d ** -0.5
     q = torch.randn(q_len, heads, d).bfloat16()
-    k, v = torch.randn(kv_heads, total, d).bfloat16(), torch.randn(kv_heads, total, d).bfloat16()
-    mask = _causal_mask(q_len, total, None, q.device)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-    def split() -> torch.Tensor:
-        qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(1, kv_heads, g * q_len, d)
-        o1, l1 = flash(qg, k[None, :, :ctx], v[None, :, :ctx], 0.0, False, scale=scale)[:2]
-        kc, vc = (t[:, ctx:].repeat_interleave(g, 0)[None] for t in (k, v))
-        o2, l2 = flash(q.transpose(0, 1)[None], kc, vc, 0.0, True, scale=scale)[:2]
-        o1 = o1.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d).float()
-        l1 = l1.view(kv_heads, g, q_len).permute(2, 0, 1).reshape(q_len, heads)
-        o2, l2 = o2[0].transpose(0, 1).float(), l2[0].transpose(0, 1)
-        m = torch.maximum(l1, l2)
-        w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
-        return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
-
-    diff = (split().float() - _attend(q, k, v, mask, scale).float()).abs().max().item()
+    k, v = torch.randn(kv_heads, ctx + q_len, d).bfloat16(), torch.randn(kv_heads, ctx + q_len, d).bfloat16()
+    mask = _causal_mask(q_len, ctx + q_len, None, q.device)
+    diff = (_attend_split(q, k, v, ctx, scale).float() - _attend(q, k, v, mask, scale).float()).abs().max().item()
     return {"masked": median_us(lambda: _attend(q, k, v, mask, scale), repeats),
-            "split_lse": median_us(split, repeats), "max_abs_diff": diff}
+            "split_lse": median_us(lambda: _attend_split(q, k, v, ctx, scale), repeats), "max_abs_diff": diff}
 
 
 def main() -> None:

@@ -224,6 +224,37 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return o.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
 
 
+def _attend_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
+    """A later chunk: q ``[q_len, H, D]``, the ``q_len`` new tokens after ``ctx > 0`` cached ones;
+    keys/values head-major ``[KVH, ctx + q_len, D]`` -> ``[q_len, H, D]``. No window cuts it.
+
+    Cascade form (FlashInfer's and vLLM's for a shared prefix): every query sees every cached key,
+    so the cached part needs no mask and runs torch's flash kernel on the GQA-stacked queries
+    (``g * q_len`` rows per KV head); the chunk attends itself causally; the two partial outputs are
+    merged by their log-sum-exps in fp32::
+
+        o = (o_ctx · e^(lse_ctx - m) + o_chunk · e^(lse_chunk - m)) / (e^(lse_ctx - m) + e^(lse_chunk - m))
+
+    which is the softmax over all ``ctx + q_len`` visible keys (each part is rounded to q's dtype
+    once before the merge). Against the masked form (``_attend``) it skips the mask's ``q_len x
+    (ctx + q_len)`` tensor and the flash kernel's masked tiles.
+    """
+    q_len, heads, d = q.shape
+    kv_heads = keys.shape[0]
+    g = heads // kv_heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qg = q.view(q_len, kv_heads, g, d).permute(1, 2, 0, 3).reshape(1, kv_heads, g * q_len, d)
+    o1, l1 = flash(qg, keys[None, :, :ctx], values[None, :, :ctx], 0.0, False, scale=scale)[:2]
+    o1 = o1.view(kv_heads, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d).float()
+    l1 = l1.view(kv_heads, g, q_len).permute(2, 0, 1).reshape(q_len, heads, 1)
+    kc, vc = (t[:, ctx:].repeat_interleave(g, 0)[None] for t in (keys, values))   # [1, H, q_len, D]
+    o2, l2 = flash(q.transpose(0, 1)[None], kc, vc, 0.0, True, scale=scale)[:2]
+    o2, l2 = o2[0].transpose(0, 1).float(), l2[0].transpose(0, 1)[..., None]
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
+
+
 def _attend_decode_batch(q: torch.Tensor, kv_cache: LayerKV, plan: DecodeBatch, scale: float) -> torch.Tensor:
     """S single-query sequences at once: q ``[S, H, D]`` -> ``[S, H, D]``.
 
@@ -290,7 +321,11 @@ def attend_written(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, pla
         # With a window, keys before the first query's window are never read: skip them.
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
         kv = heads_major(gather_context(cache, meta.block_tables[i], seq_len, first), q.dtype)
-        causal = q_len == seq_len > 1 and (window is None or window >= seq_len)  # a prompt's first chunk
+        whole = window is None or window >= seq_len  # every query sees every earlier key
+        if whole and 1 < q_len < seq_len and q.device.type == "cpu":  # a later chunk over its cache
+            out[start:end] = _attend_split(q[start:end], kv[0], kv[1], seq_len - q_len, scale)
+            continue
+        causal = q_len == seq_len > 1 and whole  # a prompt's first chunk
         mask = None if causal else _causal_mask(q_len, seq_len - first, window, q.device)
         out[start:end] = _attend(q[start:end], kv[0], kv[1], mask, scale, causal)
     return out

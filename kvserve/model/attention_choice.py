@@ -6,7 +6,7 @@ prefill chunk, on synthetic blocks, and keeps the faster per role and band: ``at
 whose sequences all decode), ``attention_prefill`` ``q<=96`` (steps whose longest chunk has at most
 96 new tokens: a session's next turn over its history) and ``q>96`` (the others). The result is cached as JSON in
 :func:`kvserve.native.cache_dir` (``attention_backend.json``), keyed by CPU model and flags, torch
-version, kernel source hash and shape, so a later start reads it instead of timing
+version, the kernel's and the torch path's source hash and shape, so a later start reads it instead of timing
 (``KVSERVE_ATTENTION_RETUNE=1`` measures again). Every choice is recorded in
 :mod:`kvserve.native.choices` (``source``: measured, cached, forced or fallback).
 
@@ -26,12 +26,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvserve import native
-from kvserve.model import attention_native
+from kvserve.model import attention, attention_native
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.attention_backends import AttentionBackend, TorchSDPABackend
 from kvserve.model.attention_native import NativePagedBackend
@@ -54,7 +55,9 @@ def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     from kvserve.bench.machine import cpu_info
 
     cpu = cpu_info()
-    src = hashlib.sha256((native.CSRC / attention_native.SOURCES[0]).read_bytes()).hexdigest()[:12]
+    # Both sides' code: the kernel's source and the torch path's (a change to either retimes).
+    code = (native.CSRC / attention_native.SOURCES[0]).read_bytes() + Path(attention.__file__).read_bytes()
+    src = hashlib.sha256(code).hexdigest()[:12]
     return (f"{cpu['model']}|{','.join(cpu['flags'])}|torch {torch.__version__}|kernel {src}|"
             f"h{heads} kvh{kv_heads} d{head_dim} bs{block_size} {str(dtype).removeprefix('torch.')}")
 

@@ -14,12 +14,15 @@
 4. otherwise the paths are timed (:mod:`kvserve.model.gemm_tune`) and the result cached (source
    ``measured``).
 
-From timings, each role first takes one path for every band: the one whose worst slowdown against
-each band's fastest is smallest. When another path is at least :data:`SPLIT_MIN_GAIN` faster in
-some band, keeping both costs that role's weights once more per extra storage
+From timings, each role first takes one storage for every band
 (:func:`~kvserve.model.gemm_paths.storage_of`: ``native`` and ``kvserve_tiled`` share the loaded
-tensor, so a split between them is free); such splits are allowed, the most gain per extra byte
-first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
+tensor, so a split between them is free), each band on that storage's fastest path: the storage
+whose worst slowdown against each band's fastest is smallest. (Until session 9 this step took one
+*path*, so the tiled kernel's one-row speed and torch's many-row speed on the same tensor were
+never weighed together: on an AVX-512 AMD EPYC it put every role on ``onednn_packed``, 1.4-1.5x
+the tiled kernel's one-row time on the MLP and the logits.) When a path of another storage is at
+least :data:`SPLIT_MIN_GAIN` faster in some band, keeping both costs that role's weights once more
+per extra storage; such splits are allowed, the most gain per extra byte first, up to ``KVSERVE_GEMM_EXTRA_MIB`` (default
 :data:`EXTRA_BYTES_DEFAULT`: the memory target is weights + KV pool + 300 MiB, most of which the
 runtime itself takes; on the 0.5B shape one copy of the MLPs is 598 MiB, of the logits 260 MiB).
 That is done once per thread family (:data:`FAMILIES`: OpenMP-threaded paths and FBGEMM's pool
@@ -95,8 +98,17 @@ def uniform(path: str, source: str) -> GemmPlan:
     return GemmPlan({r: (path, path, path) for r in ROLES}, source)
 
 
-def _regret(bands: list[dict[str, float]], path: str) -> float:
-    return max(b[path] / min(b.values()) for b in bands)
+def _on_storage(bands: list[dict[str, float]], storage: str) -> tuple[str, ...] | None:
+    """The fastest path of each band among those on ``storage`` (a split between them is free:
+    they read one tensor); None when some band has none."""
+    picks = [min((p for p in b if storage_of(p) == storage), key=b.__getitem__, default=None) for b in bands]
+    return None if None in picks else tuple(picks)  # type: ignore[arg-type]
+
+
+def _regret_of(bands: list[dict[str, float]], paths: tuple[str, ...] | None) -> float:
+    """The worst slowdown of one path per band against each band's fastest."""
+    assert paths is not None
+    return max(b[p] / min(b.values()) for b, p in zip(bands, paths))
 
 
 def _pooled(path: str) -> bool:
@@ -123,7 +135,7 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
     plans: list[GemmPlan] = []
     for keep in FAMILIES:
         sub = {r: [{p: t for p, t in b.items() if keep(p)} for b in bands] for r, bands in timings.items()}
-        if all(all(b) for bands in sub.values() for b in bands):
+        if all(b for bands in sub.values() for b in bands):  # every band has a path of the family
             plan = _decide_family(sub, role_bytes, extra_budget)
             if plan not in plans:
                 plans.append(plan)
@@ -145,21 +157,32 @@ def _band_best(band: dict[str, float], storage: str) -> str:
 
 def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int],
                    extra_budget: int) -> GemmPlan:
+    """One family's plan: each role on its single storage, then the splits the budget allows (for a
+    role: every band on its fastest path, or one more storage where it gains; the most gain per
+    extra byte first, one option per role)."""
     paths: dict[str, tuple[str, str, str]] = {}
-    split: list[tuple[float, int, str, tuple[str, str, str]]] = []
+    split: list[tuple[float, int, str, tuple[str, ...]]] = []
     for role, bands in timings.items():
-        common = [p for p in bands[0] if all(p in b for b in bands)]
-        single = min(common, key=lambda p: _regret(bands, p))
-        best = tuple(_band_best(b, storage_of(single)) for b in bands)
-        paths[role] = (single, single, single)
-        gain = [b[single] / b[p] for b, p in zip(bands, best)]  # >= 1: how much faster each band's best is
-        if len(set(best)) > 1 and max(gain) >= SPLIT_MIN_GAIN:
-            cost = (len({storage_of(p) for p in best}) - 1) * role_bytes.get(role, 0)
-            split.append((-sum(g - 1 for g in gain) / max(cost, 1), cost, role, best))  # type: ignore[arg-type]
-    extra = 0
-    for _, cost, role, best in sorted(split):  # the most gain per extra byte first
-        if extra + cost <= extra_budget:
-            paths[role], extra = best, extra + cost
+        storages = list(dict.fromkeys(storage_of(p) for p in bands[0]))
+        on = {s: _on_storage(bands, s) for s in storages}
+        single = min((s for s in storages if on[s] is not None), key=lambda s: _regret_of(bands, on[s]))
+        base: tuple[str, str, str] = on[single]  # type: ignore[assignment]
+        paths[role] = base
+        options = {tuple(_band_best(b, single) for b in bands)}
+        for other in storages:  # one more storage, where it is SPLIT_MIN_GAIN faster
+            alt = [min((p for p in b if storage_of(p) == other), key=b.__getitem__, default=None) for b in bands]
+            options.add(tuple(p if p is not None and b[p0] >= b[p] * SPLIT_MIN_GAIN else p0
+                              for b, p0, p in zip(bands, base, alt)))
+        for option in options - {base}:
+            gain = [b[p0] / b[p] for b, p0, p in zip(bands, base, option)]  # how much faster each band gets
+            if max(gain) >= SPLIT_MIN_GAIN:
+                cost = (len({storage_of(p) for p in option}) - 1) * role_bytes.get(role, 0)
+                split.append((-sum(g - 1 for g in gain) / max(cost, 1), cost, role, option))
+    extra, taken = 0, set()
+    for _, cost, role, option in sorted(split):  # the most gain per extra byte first
+        if role not in taken and extra + cost <= extra_budget:
+            paths[role], extra = option, extra + cost  # type: ignore[assignment]
+            taken.add(role)
     return GemmPlan(paths, "family", {}, extra)
 
 

@@ -183,6 +183,33 @@ def test_a_split_between_native_and_the_tiled_kernel_costs_no_memory() -> None:
     assert plan.paths["mlp"] == (tiled, "native", "native") and plan.extra_bytes == 0
 
 
+def test_a_storage_is_judged_by_its_best_path_in_each_band() -> None:
+    """The AVX-512 AMD EPYC's MLP and logits (session 9, µs): oneDNN's reordered copy is the best
+    single path (worst 1.4x at one row) but the loaded tensor, the tiled kernel for few rows and
+    torch's matmul for many, is at worst 1.19x: with no budget for a second copy the role takes
+    the loaded tensor, split between its two paths for free."""
+    tiled, onednn = "kvserve_tiled", "onednn_packed"
+    mlp = [{"native": 1573.0, tiled: 1052.0, onednn: 1507.0}, {"native": 2598.0, tiled: 2333.0, onednn: 1966.0},
+           {"native": 23947.0, tiled: 56548.0, onednn: 24000.0}]
+    plan = decide({"mlp": mlp}, {"mlp": 598 << 20}, 64 << 20, "measured")
+    assert plan.paths["mlp"] == (tiled, tiled, "native") and plan.extra_bytes == 0
+    # with room for oneDNN's copy too, its 16-row band (1.19x faster) is worth it
+    plan = decide({"mlp": mlp}, {"mlp": 598 << 20}, 1 << 30, "measured")
+    assert plan.paths["mlp"] == (tiled, onednn, "native") and plan.extra_bytes == 598 << 20
+
+
+def test_a_split_may_add_one_storage_where_all_bands_best_would_not_fit() -> None:
+    """Every band on its fastest path would keep three storages; one extra (FBGEMM's copy for a
+    decode, 1.6x faster) fits the budget and is kept."""
+    tiled, onednn = "kvserve_tiled", "onednn_packed"
+    qkv = [{"native": 259.0, X: 101.0, tiled: 163.0, onednn: 195.0}, {"native": 336.0, X: 426.0, tiled: 219.0,
+           onednn: 248.0}, {"native": 1558.0, X: 6691.0, tiled: 4265.0, onednn: 1427.0}]
+    plan = decide({"qkv": qkv}, {"qkv": 47 << 20}, 64 << 20, "measured")
+    assert plan.paths["qkv"] == (X, tiled, "native") and plan.extra_bytes == 47 << 20
+    plan = decide({"qkv": qkv}, {"qkv": 47 << 20}, 40 << 20, "measured")  # no room: the loaded tensor alone
+    assert plan.paths["qkv"] == (tiled, tiled, "native") and plan.extra_bytes == 0
+
+
 def test_native_linear_is_the_loaded_weight() -> None:
     w = torch.randn(8, 4, dtype=torch.bfloat16)
     lin = NativeLinear(w, None, torch.float32)

@@ -68,6 +68,7 @@ CASES = {
     "mixed": [(0, 7), (12, 1), (5, 6), (20, 1), (0, 1)],
     "single-decode": [(13, 1)],
     "prompts": [(0, 32), (0, 2), (4, 9)],  # first chunks take torch's causal kernel (no window, or one past them)
+    "later-chunks": [(30, 7), (3, 2), (16, 16), (1, 13)],  # the cascade split (no window, or one past them)
 }
 
 
@@ -79,6 +80,29 @@ def test_matches_dense_reference(case: str, window: int | None) -> None:
 
 def test_a_window_longer_than_the_prompt_keeps_the_causal_kernel() -> None:
     run_case([(0, 20), (0, 40)], 40)
+
+
+def test_a_window_past_the_context_keeps_the_split() -> None:
+    run_case(CASES["later-chunks"], 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ctx,q_len", [(3, 5), (37, 16), (700, 65)])
+def test_split_matches_the_masked_form_in_half_precision(dtype: torch.dtype, ctx: int, q_len: int) -> None:
+    """The cascade split (cached part unmasked, chunk causal, merged by log-sum-exp) against the
+    masked single call, in the model's own half dtype: within that dtype's rounding of the output."""
+    g = torch.Generator().manual_seed(ctx)
+    heads, kvh, d = 8, 2, 32
+    q = torch.randn(q_len, heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(kvh, ctx + q_len, d, generator=g).to(dtype) for _ in range(2))
+    split = attention._attend_split(q, k, v, ctx, d ** -0.5)
+    masked = attention._attend(q, k, v, attention._causal_mask(q_len, ctx + q_len, None, q.device), d ** -0.5)
+    exact = attention._attend(q.double(), k.double(), v.double(),
+                              attention._causal_mask(q_len, ctx + q_len, None, q.device), d ** -0.5)
+    assert split.dtype == dtype and split.shape == q.shape
+    eps = torch.finfo(dtype).eps
+    assert (split.double() - exact).abs().max() <= 4 * eps * exact.abs().max()
+    assert (split.double() - exact).abs().mean() <= 2 * (masked.double() - exact).abs().mean() + eps / 8
 
 
 @pytest.mark.parametrize("window", [None, 5])
