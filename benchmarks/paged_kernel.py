@@ -4,11 +4,14 @@ path, one layer of the Qwen2.5-0.5B attention shape (14 heads, 2 KV heads, head_
 Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), median µs of:
 
 * ``write``: the layer's K/V write of the step (int8: the encode);
-* ``scalar`` / ``tiled``: the kernel call alone (``attention_native.run_kernel``, IMPL 1 / 0);
+* ``scalar`` / ``tiled`` / ``kernel``: the kernel call alone (``attention_native.run_kernel``, IMPL 1 / 2 /
+  0; ``kernel`` is what kvserve runs: the bf16-dot path where the build has AVX512-BF16 and the
+  case is bf16 on the bf16 pool, else the tiled one);
 * ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``).
 
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py            # ~1 min
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --shapes 16x2048+1
+    PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --heads 8 --kv-heads 2 --head-dim 32  # embedded
 
 Synthetic K/V (unit normal) in shuffled blocks; timing does not depend on the values. Prints a
 table and writes JSON (default ``benchmarks/results/paged_kernel.json``).
@@ -93,7 +96,7 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype) -> dict[st
     out = torch.empty_like(q)
     res = {"write": median_us(lambda: layer.write(c["kv"], c["kv"], meta.slot_mapping), repeats)}
     if mod is not None and src is not None:
-        for name, impl in (("scalar", 1), ("tiled", 0)):
+        for name, impl in (("scalar", 1), ("tiled", 2), ("kernel", 0)):
             attention_native.IMPL = impl
             res[name] = median_us(lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
                                   repeats)
@@ -105,27 +108,34 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
+    global H, KVH, D
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codecs", default="bf16;int8", help="';'-separated KV codecs")
     ap.add_argument("--shapes", default=SHAPES, help="SEQSxCONTEXT+NEW, comma-separated")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--heads", type=int, default=H)
+    ap.add_argument("--kv-heads", type=int, default=KVH)
+    ap.add_argument("--head-dim", type=int, default=D)
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "paged_kernel.json")
     a = ap.parse_args(argv)
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
     from kvserve.bench.machine import cpu_info
 
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {torch.get_num_threads()}")
     codecs = [c.strip() for c in a.codecs.split(";") if c.strip()]
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'torch':>9}   (µs)")
+    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'torch':>9}   (µs; "
+          f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
         for shape in a.shapes.split(","):
             r = measure(codec, shape, a.repeats, torch.bfloat16)
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
-                  f"{r.get('tiled', float('nan')):>9.0f} {r['torch']:>9.0f}", flush=True)
-    doc = {"cpu": cpu, "threads": torch.get_num_threads(), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
+                  f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} {r['torch']:>9.0f}",
+                  flush=True)
+    doc = {"cpu": cpu, "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
            "block_size": BS, "dtype": "bfloat16"}, "results": results}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(doc, indent=1))

@@ -38,9 +38,11 @@ _FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
 # each decoded block, few enough that the scratch stays in L1/L2 and causal tiles balance.
 Q_TILE = 8
-# Which kernel path: 0 the tiled one (AVX2 + FMA, head_dim a multiple of 8; register-blocked
-# scores and V sums over 16-key tiles) where the build has it, else the scalar one; 1 always the
-# scalar one (tests compare both against the reference).
+# Which kernel path: 0 the fastest that covers the case: the bf16-dot one (AVX512-BF16 builds: bf16
+# queries on the bf16 pool, head_dim a multiple of 32; vdpbf16ps for the scores and the V sums),
+# else the tiled one (AVX2 + FMA, head_dim a multiple of 8; register-blocked scores and V sums
+# over 16-key tiles), else the scalar one; 1 always the scalar one; 2 the tiled one (never
+# bf16-dot). Tests compare each against the reference.
 IMPL = 0
 
 

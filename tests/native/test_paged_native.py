@@ -31,10 +31,10 @@ pytestmark = pytest.mark.skipif(native_module() is None, reason=f"no native kern
 @pytest.fixture(params=["tiled", "scalar"])
 def impl(request, monkeypatch):
     """Both kernel paths: the tiled one (AVX2 + FMA builds, head_dim % 8 == 0; skipped where the
-    build lacks it) and the scalar one."""
+    build lacks it) and the scalar one. (The bf16-dot path has its own tests below.)"""
     if request.param == "tiled" and not native_module().tiled_available():
         pytest.skip("this build has no tiled path (no AVX2 + FMA)")
-    monkeypatch.setattr(attention_native, "IMPL", 0 if request.param == "tiled" else 1)
+    monkeypatch.setattr(attention_native, "IMPL", 2 if request.param == "tiled" else 1)
     return request.param
 
 
@@ -138,6 +138,45 @@ def test_blocks_of_one_and_several_key_tiles(bs, d, impl, monkeypatch):
         out, _, refs, qsl = run_plain(specs, 14, 2, window, torch.float32, share=True, d=d)
         for i, ref in enumerate(refs):
             torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], ref, atol=1e-5, rtol=1e-5, msg=f"sequence {i}")
+
+
+needs_bf16dot = pytest.mark.skipif(native_module() is None or not native_module().bf16dot_available(),
+                                   reason="this build has no bf16-dot path (no AVX512-BF16)")
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("heads,kvh", [(8, 2), (14, 2), (4, 4)])
+@pytest.mark.parametrize("window", [None, 23])
+def test_bf16_dot_path_matches_reference_and_tiled_path(d, heads, kvh, window, monkeypatch):
+    """bf16 queries on the bf16 pool, head_dim a multiple of 32: the AVX512-BF16 path (exact bf16
+    products for the scores, probabilities rounded to bf16 for the values) against the fp32
+    reference and the tiled path, over blocks of 16 (one tile each), decodes and chunks of up to
+    33 tokens over up to 150 cached ones, a window starting inside a tile, shared prefix blocks."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", 16)
+    specs = [(70, 1), (3, 1), (45, 9), (0, 20), (81, 1), (150, 33)]
+    monkeypatch.setattr(attention_native, "IMPL", 0)
+    out, torch_out, refs, qsl = run_plain(specs, heads, kvh, window, torch.bfloat16, share=True, d=d)
+    monkeypatch.setattr(attention_native, "IMPL", 2)
+    tiled, _, _, _ = run_plain(specs, heads, kvh, window, torch.bfloat16, share=True, d=d)
+    assert not out.isnan().any()
+    assert not torch.equal(out, tiled)  # another path ran (the tiled one sums fp32 probabilities)
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=2e-2, rtol=2e-2, msg=f"sequence {i}")
+    torch.testing.assert_close(out.float(), tiled.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16dot
+def test_the_bf16_dot_path_leaves_other_cases_to_the_tiled_path(monkeypatch):
+    """fp32 and fp16 queries, and a head_dim that is not a multiple of 32, run the tiled path
+    whatever IMPL allows: bit for bit its output."""
+    for dtype, d in ((torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 24)):
+        outs = []
+        for impl in (0, 2):
+            monkeypatch.setattr(attention_native, "IMPL", impl)
+            outs.append(run_plain(CASES["prefill-chunks"], 14, 2, None, dtype, share=True, d=d)[0])
+        assert torch.equal(outs[0], outs[1]), (dtype, d)
 
 
 def test_shared_blocks_are_read_by_every_sequence():

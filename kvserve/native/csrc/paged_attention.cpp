@@ -16,6 +16,9 @@
 // A side's block b starts at base + b * block_stride bytes. A block with a shadow (a full-precision
 // copy in the model dtype, kvserve.kv.storage) reads its first shadow_rows[b] rows from it.
 //
+// Paths: bf16-dot (AVX512-BF16 builds; bf16 queries on the bf16 pool, head_dim % 32 == 0),
+// tiled (AVX2 + FMA, head_dim % 8 == 0), scalar (any): see each section's header.
+//
 // Invariants: tables hold ceil(seq_len / block_size) valid ids per sequence; q_len <= seq_len;
 // scratch is per task, so tasks never share mutable state.
 
@@ -163,6 +166,13 @@ void load_rows(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t t0
   }
 }
 
+// tile0[s] = the first query tile of sequence s (tiles of q_tile tokens), tile0[num_seqs] = all.
+inline std::vector<int64_t> query_tiles(const int64_t* q_len, int64_t num_seqs, int64_t q_tile) {
+  std::vector<int64_t> tile0(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) tile0[s + 1] = tile0[s] + (q_len[s] + q_tile - 1) / q_tile;
+  return tile0;
+}
+
 // One task's query rows: (sequence s, KV head h, query tokens i0..i1-1), rows ordered (query
 // token, head in group): row r = (i - i0) * g + j. Fills Q (scaled), qpos, and the accumulators.
 struct Task {
@@ -223,8 +233,7 @@ void run_scalar(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_sta
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // Tasks: (seq, kv head, tile) flattened; tile offsets per sequence.
-  std::vector<int64_t> tile0(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) tile0[s + 1] = tile0[s] + (q_len[s] + q_tile - 1) / q_tile;
+  const std::vector<int64_t> tile0 = query_tiles(q_len, num_seqs, q_tile);
   const int64_t tasks = tile0[num_seqs] * kvh;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = g * q_tile;
@@ -293,21 +302,24 @@ void run_scalar(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_sta
 // (K) and to the 16 probabilities (V) instead of to every element.
 constexpr int64_t KT = 16;
 
-inline __m256 exp_ps(__m256 x) {  // fast_exp, 8 lanes
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+// fast_exp over a vector (P: the intrinsics' prefix, BITS its width; ROUND: to nearest).
+#define KVSERVE_EXP_PS(NAME, V, P, BITS, ROUND)                                                         \
+  inline V NAME(V x) {                                                                                  \
+    x = P##_max_ps(x, P##_set1_ps(-87.f));                                                              \
+    const V t = P##_mul_ps(x, P##_set1_ps(1.44269504088896341f));                                       \
+    const V n = ROUND(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                \
+    const V f = P##_mul_ps(P##_sub_ps(t, n), P##_set1_ps(0.693147180559945309f));                       \
+    V p = P##_set1_ps(1.f / 720.f);                                                                     \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(1.f / 120.f));                                                   \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(1.f / 24.f));                                                    \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(1.f / 6.f));                                                     \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(0.5f));                                                          \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(1.f));                                                           \
+    p = P##_fmadd_ps(p, f, P##_set1_ps(1.f));                                                           \
+    return P##_mul_ps(p, P##_castsi##BITS##_ps(P##_slli_epi32(                                          \
+        P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23)));                                  \
+  }
+KVSERVE_EXP_PS(exp_ps, __m256, _mm256, 256, _mm256_round_ps)  // 8 lanes
 
 inline float hmax(__m256 v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -443,6 +455,24 @@ inline void prefetch_rows(const Side& s, int64_t b, int64_t h, int64_t t0, int64
   }
 }
 
+// fn(b, kpos0, c0, nt) for each tile of keys lo..hi-1 of a table: block b, its rows c0..c0+nt-1
+// (nt <= KT), the first at position kpos0; the next block's rows of head h are prefetched while a
+// block is computed.
+template <typename F>
+inline void for_each_key_tile(const int64_t* table, int64_t lo, int64_t hi, int64_t bs, const Side& ks, const Side& vs,
+                              int64_t h, int64_t kvh, int64_t d, F&& fn) {
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t b = table[blk];
+    const int64_t t0 = std::max(lo - blk * bs, int64_t(0)), t1 = std::min(hi - blk * bs, bs);
+    if ((blk + 1) * bs < hi) {
+      const int64_t nb = table[blk + 1], n1 = std::min(hi - (blk + 1) * bs, bs);
+      prefetch_rows(ks, nb, h, 0, n1, kvh, d);
+      prefetch_rows(vs, nb, h, 0, n1, kvh, d);
+    }
+    for (int64_t c0 = t0; c0 < t1; c0 += KT) fn(b, blk * bs + c0, c0, std::min(t1 - c0, KT));
+  }
+}
+
 // S[r][0..KT) = Q[r] . Kt[:, 0..KT) for R rows (Q rows d apart, S rows KT apart).
 template <int R>
 inline void qk_tile(const float* Q, int64_t d, const float* Kt, float* S) {
@@ -559,8 +589,7 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
   const int64_t heads = q.size(1), g = heads / kvh, d = q.size(2);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  std::vector<int64_t> tile0(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) tile0[s + 1] = tile0[s] + (q_len[s] + q_tile - 1) / q_tile;
+  const std::vector<int64_t> tile0 = query_tiles(q_len, num_seqs, q_tile);
   const int64_t tasks = tile0[num_seqs] * kvh;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = g * q_tile;
@@ -575,66 +604,321 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
                                  Q.data(), qpos.data(), O.data(), m.data(), l.data());
       const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
       const int64_t* table = tables + s * table_stride;
-      for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
-        const int64_t b = table[blk];
-        const int64_t t0 = std::max(lo - blk * bs, int64_t(0)), t1 = std::min(hi - blk * bs, bs);
-        if ((blk + 1) * bs < hi) {  // the next block's rows, while this one is computed
-          const int64_t nb = table[blk + 1], n1 = std::min(hi - (blk + 1) * bs, bs);
-          prefetch_rows(ks, nb, h, 0, n1, kvh, d);
-          prefetch_rows(vs, nb, h, 0, n1, kvh, d);
+      for_each_key_tile(table, lo, hi, bs, ks, vs, h, kvh, d, [&](int64_t b, int64_t kpos0, int64_t c0, int64_t nt) {
+        load_codes(ks, shk, b, h, c0, c0 + nt, bs, kvh, d, Kr.data(), ksc);
+        load_codes(vs, shv, b, h, c0, c0 + nt, bs, kvh, d, V.data(), vsc);
+        if (nt < KT) {  // padding keys: zero rows and scales (their scores are masked anyway)
+          std::fill(Kr.begin() + nt * d, Kr.end(), 0.f);
+          std::fill(ksc + nt, ksc + KT, 0.f);
         }
-        for (int64_t c0 = t0; c0 < t1; c0 += KT) {
-          const int64_t nt = std::min(t1 - c0, KT), kpos0 = blk * bs + c0;
-          load_codes(ks, shk, b, h, c0, c0 + nt, bs, kvh, d, Kr.data(), ksc);
-          load_codes(vs, shv, b, h, c0, c0 + nt, bs, kvh, d, V.data(), vsc);
-          if (nt < KT) {  // padding keys: zero rows and scales (their scores are masked anyway)
-            std::fill(Kr.begin() + nt * d, Kr.end(), 0.f);
-            std::fill(ksc + nt, ksc + KT, 0.f);
+        for (int64_t tb = 0; tb < KT; tb += 8)
+          for (int64_t e = 0; e < d; e += 8) transpose8(Kr.data() + tb * d + e, d, Kt.data() + e * KT + tb, KT);
+        qk_rows(Q.data(), rows, d, Kt.data(), S.data());
+        const __m256 k0 = _mm256_loadu_ps(ksc), k1 = _mm256_loadu_ps(ksc + 8);
+        const __m256 v0s = _mm256_loadu_ps(vsc), v1s = _mm256_loadu_ps(vsc + 8);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t qp_r = qpos[r];
+          const int64_t a = w > 0 ? std::max<int64_t>(0, qp_r - w + 1 - kpos0) : 0;
+          const int64_t z = std::min<int64_t>(nt, qp_r - kpos0 + 1);
+          float* pr = P.data() + r * KT;
+          if (a >= z) {
+            _mm256_storeu_ps(pr, _mm256_setzero_ps());
+            _mm256_storeu_ps(pr + 8, _mm256_setzero_ps());
+            continue;
           }
-          for (int64_t tb = 0; tb < KT; tb += 8)
-            for (int64_t e = 0; e < d; e += 8) transpose8(Kr.data() + tb * d + e, d, Kt.data() + e * KT + tb, KT);
-          qk_rows(Q.data(), rows, d, Kt.data(), S.data());
-          const __m256 k0 = _mm256_loadu_ps(ksc), k1 = _mm256_loadu_ps(ksc + 8);
-          const __m256 v0s = _mm256_loadu_ps(vsc), v1s = _mm256_loadu_ps(vsc + 8);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t qp_r = qpos[r];
-            const int64_t a = w > 0 ? std::max<int64_t>(0, qp_r - w + 1 - kpos0) : 0;
-            const int64_t z = std::min<int64_t>(nt, qp_r - kpos0 + 1);
-            float* pr = P.data() + r * KT;
-            if (a >= z) {
-              _mm256_storeu_ps(pr, _mm256_setzero_ps());
-              _mm256_storeu_ps(pr + 8, _mm256_setzero_ps());
-              continue;
-            }
-            const __m256 av = _mm256_set1_ps(static_cast<float>(a)), zv = _mm256_set1_ps(static_cast<float>(z));
-            const __m256 mk0 = _mm256_and_ps(_mm256_cmp_ps(iota0, av, _CMP_GE_OQ), _mm256_cmp_ps(iota0, zv, _CMP_LT_OQ));
-            const __m256 mk1 = _mm256_and_ps(_mm256_cmp_ps(iota1, av, _CMP_GE_OQ), _mm256_cmp_ps(iota1, zv, _CMP_LT_OQ));
-            const float* sr = S.data() + r * KT;
-            const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr), k0), mk0);
-            const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), k1), mk1);
-            const float mx = std::max(m[r], hmax(_mm256_max_ps(s0, s1)));
-            const __m256 mxv = _mm256_set1_ps(mx);
-            const __m256 p0 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s0, mxv)), mk0);
-            const __m256 p1 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s1, mxv)), mk1);
-            const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
-            l[r] = l[r] * corr + hsum(_mm256_add_ps(p0, p1));
-            m[r] = mx;
-            if (corr != 1.f) {
-              float* orow = O.data() + r * d;
-              const __m256 cv = _mm256_set1_ps(corr);
-              for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(orow + e, _mm256_mul_ps(_mm256_loadu_ps(orow + e), cv));
-            }
-            _mm256_storeu_ps(pr, _mm256_mul_ps(p0, v0s));
-            _mm256_storeu_ps(pr + 8, _mm256_mul_ps(p1, v1s));
+          const __m256 av = _mm256_set1_ps(static_cast<float>(a)), zv = _mm256_set1_ps(static_cast<float>(z));
+          const __m256 mk0 = _mm256_and_ps(_mm256_cmp_ps(iota0, av, _CMP_GE_OQ), _mm256_cmp_ps(iota0, zv, _CMP_LT_OQ));
+          const __m256 mk1 = _mm256_and_ps(_mm256_cmp_ps(iota1, av, _CMP_GE_OQ), _mm256_cmp_ps(iota1, zv, _CMP_LT_OQ));
+          const float* sr = S.data() + r * KT;
+          const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr), k0), mk0);
+          const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + 8), k1), mk1);
+          const float mx = std::max(m[r], hmax(_mm256_max_ps(s0, s1)));
+          const __m256 mxv = _mm256_set1_ps(mx);
+          const __m256 p0 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s0, mxv)), mk0);
+          const __m256 p1 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s1, mxv)), mk1);
+          const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
+          l[r] = l[r] * corr + hsum(_mm256_add_ps(p0, p1));
+          m[r] = mx;
+          if (corr != 1.f) {
+            float* orow = O.data() + r * d;
+            const __m256 cv = _mm256_set1_ps(corr);
+            for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(orow + e, _mm256_mul_ps(_mm256_loadu_ps(orow + e), cv));
           }
-          pv_rows(P.data(), V.data(), nt, rows, d, O.data());
+          _mm256_storeu_ps(pr, _mm256_mul_ps(p0, v0s));
+          _mm256_storeu_ps(pr + 8, _mm256_mul_ps(p1, v1s));
         }
-      }
+        pv_rows(P.data(), V.data(), nt, rows, d, O.data());
+      });
       end_task(tk, g, heads, d, q_start, O.data(), l.data(), op);
     }
   });
 }
 #undef KVSERVE_TILE_CASES
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KVSERVE_BF16DOT 1
+// ---- The bf16-dot path (AVX512-BF16; bf16 queries on the bf16 pool; head_dim % 32 == 0) --------
+// Keys are taken KT = 16 at a time, as in the tiled path, but the products run on vdpbf16ps (two
+// bf16 products per fp32 lane per instruction):
+// * scores: the tile's K rows are transposed as 32-bit words (one word = 2 adjacent head_dim
+//   elements of one key) to Kw [d/2][16 keys]; each query row's word w is broadcast, so d/2
+//   instructions give the row's 16 scores. Queries and keys are bf16 and their products exact,
+//   sums in fp32: the scores are what the fp32 path computes, up to summation order;
+// * values: the probabilities are rounded to bf16 (what torch's CPU flash kernel does for bf16)
+//   and paired over keys; the V rows of keys 2k and 2k+1 are interleaved (Vw [8 pairs][d] words)
+//   and each row's pair (p_2k, p_2k+1) is broadcast: 8 instructions per 16 head_dim values.
+// The online softmax (max, correction, sum) is the tiled path's, 16 lanes wide.
+
+KVSERVE_EXP_PS(exp_ps16, __m512, _mm512, 512, _mm512_roundscale_ps)  // 16 lanes
+
+// r[i] (16 words each) -> r[i] = column i, i.e. out[i][j] = in[j][i].
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Kw[w * 16 + k] = word w of key k's row (keys c0..c0+nt-1 of block b, head h; missing keys 0).
+inline void load_key_words(const Side& s, int64_t b, int64_t h, int64_t c0, int64_t nt, int64_t kvh, int64_t d,
+                           uint32_t* Kw) {
+  const uint8_t* blk = s.base + b * s.block_stride;
+  for (int64_t w0 = 0; w0 < d / 2; w0 += 16) {
+    __m512i r[16];
+    for (int64_t k = 0; k < 16; ++k)
+      r[k] = k < nt ? _mm512_loadu_si512(blk + ((c0 + k) * kvh + h) * d * 2 + w0 * 4) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(Kw + (w0 + i) * 16, r[i]);
+  }
+}
+
+// Vw[(k * d + e) * 2 + {0, 1}] = (v_2k[e], v_2k+1[e]) as one word per (pair k, element e), keys
+// c0..c0+nt-1 (a missing key's values are 0).
+inline void load_value_pairs(const Side& s, int64_t b, int64_t h, int64_t c0, int64_t nt, int64_t kvh, int64_t d,
+                             uint16_t* Vw) {
+  const uint8_t* blk = s.base + b * s.block_stride;
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t k = 0; k < KT / 2; ++k) {
+    const uint8_t* a = blk + ((c0 + 2 * k) * kvh + h) * d * 2;
+    const uint8_t* z = blk + ((c0 + 2 * k + 1) * kvh + h) * d * 2;
+    for (int64_t e = 0; e < d; e += 16) {
+      const __m256i va = 2 * k < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + e * 2))
+                                    : _mm256_setzero_si256();
+      const __m256i vb = 2 * k + 1 < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + e * 2))
+                                        : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
+      _mm512_storeu_si512(Vw + (k * d + e) * 2, _mm512_permutexvar_epi16(idx, both));
+    }
+  }
+}
+
+#define KVSERVE_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+// S[r][0..16) = sum_w Qw[r][w] . Kw[w] for R rows (Qw rows d/2 words apart, S rows ss apart).
+template <int R>
+inline void qk_words(const uint32_t* Qw, int64_t d, const uint32_t* Kw, float* S, int64_t ss) {
+#define KVSERVE_DECL(r) __m512 a##r = _mm512_setzero_ps();
+  KVSERVE_ROWS8(KVSERVE_DECL)
+#undef KVSERVE_DECL
+  const int64_t words = d / 2;
+  for (int64_t w = 0; w < words; ++w) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(Kw + w * 16);
+#define KVSERVE_DOT(r) \
+  if (R > r) a##r = _mm512_dpbf16_ps(a##r, k, (__m512bh)_mm512_set1_epi32(static_cast<int>(Qw[r * words + w])));
+    KVSERVE_ROWS8(KVSERVE_DOT)
+#undef KVSERVE_DOT
+  }
+#define KVSERVE_STORE(r) \
+  if (R > r) _mm512_storeu_ps(S + r * ss, a##r);
+  KVSERVE_ROWS8(KVSERVE_STORE)
+#undef KVSERVE_STORE
+}
+#undef KVSERVE_ROWS8
+
+// O[r][e0..e0+16C) += sum_k Pw[r][k] . Vw[k][e0..] over ``pairs`` key pairs, for R <= 4 rows (Pw rows
+// ps words apart, O rows d apart).
+template <int R, int C>
+inline void pv_words(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t pairs, int64_t d, int64_t e0,
+                     float* O) {
+#define KVSERVE_DECL(r, c) \
+  __m512 a##r##c = (R > r && C > c) ? _mm512_loadu_ps(O + r * d + e0 + 16 * c) : _mm512_setzero_ps();
+#define KVSERVE_ROW(r) KVSERVE_DECL(r, 0) KVSERVE_DECL(r, 1) KVSERVE_DECL(r, 2) KVSERVE_DECL(r, 3)
+  KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3)
+#undef KVSERVE_ROW
+#undef KVSERVE_DECL
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint16_t* v = Vw + (k * d + e0) * 2;
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
+    const __m512bh v1 = C > 1 ? (__m512bh)_mm512_loadu_si512(v + 32) : v0;
+    const __m512bh v2 = C > 2 ? (__m512bh)_mm512_loadu_si512(v + 64) : v0;
+    const __m512bh v3 = C > 3 ? (__m512bh)_mm512_loadu_si512(v + 96) : v0;
+#define KVSERVE_DOT(r)                                                                      \
+  if (R > r) {                                                                              \
+    const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pw[r * ps + k]));        \
+    a##r##0 = _mm512_dpbf16_ps(a##r##0, v0, p);                                             \
+    if (C > 1) a##r##1 = _mm512_dpbf16_ps(a##r##1, v1, p);                                  \
+    if (C > 2) a##r##2 = _mm512_dpbf16_ps(a##r##2, v2, p);                                  \
+    if (C > 3) a##r##3 = _mm512_dpbf16_ps(a##r##3, v3, p);                                  \
+  }
+    KVSERVE_DOT(0) KVSERVE_DOT(1) KVSERVE_DOT(2) KVSERVE_DOT(3)
+#undef KVSERVE_DOT
+  }
+#define KVSERVE_STORE(r, c) \
+  if (R > r && C > c) _mm512_storeu_ps(O + r * d + e0 + 16 * c, a##r##c);
+#define KVSERVE_ROW(r) KVSERVE_STORE(r, 0) KVSERVE_STORE(r, 1) KVSERVE_STORE(r, 2) KVSERVE_STORE(r, 3)
+  KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3)
+#undef KVSERVE_ROW
+#undef KVSERVE_STORE
+}
+
+inline void qk_word_rows(const uint32_t* Qw, int64_t rows, int64_t d, const uint32_t* Kw, float* S, int64_t ss) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const uint32_t* q = Qw + r0 * (d / 2);
+    float* s = S + r0 * ss;
+    switch (std::min<int64_t>(8, rows - r0)) {
+      case 1: qk_words<1>(q, d, Kw, s, ss); break;
+      case 2: qk_words<2>(q, d, Kw, s, ss); break;
+      case 3: qk_words<3>(q, d, Kw, s, ss); break;
+      case 4: qk_words<4>(q, d, Kw, s, ss); break;
+      case 5: qk_words<5>(q, d, Kw, s, ss); break;
+      case 6: qk_words<6>(q, d, Kw, s, ss); break;
+      case 7: qk_words<7>(q, d, Kw, s, ss); break;
+      default: qk_words<8>(q, d, Kw, s, ss); break;
+    }
+  }
+}
+
+template <int C>
+inline void pv_word_rows_c(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t pairs, int64_t rows,
+                           int64_t d, float* O) {
+  for (int64_t e0 = 0; e0 < d; e0 += 16 * C) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const uint32_t* p = Pw + r0 * ps;
+      float* o = O + r0 * d;
+      switch (std::min<int64_t>(4, rows - r0)) {
+        case 1: pv_words<1, C>(p, ps, Vw, pairs, d, e0, o); break;
+        case 2: pv_words<2, C>(p, ps, Vw, pairs, d, e0, o); break;
+        case 3: pv_words<3, C>(p, ps, Vw, pairs, d, e0, o); break;
+        default: pv_words<4, C>(p, ps, Vw, pairs, d, e0, o); break;
+      }
+    }
+  }
+}
+
+inline void pv_word_rows(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t pairs, int64_t rows, int64_t d,
+                         float* O) {
+  if (d % 64 == 0) pv_word_rows_c<4>(Pw, ps, Vw, pairs, rows, d, O);
+  else pv_word_rows_c<2>(Pw, ps, Vw, pairs, rows, d, O);
+}
+
+// Tiles per softmax step: the scores of up to KG tiles (64 keys) are taken together, so a row's
+// max, sum and correction (horizontal reductions, a scalar exp) are paid once per 64 keys.
+constexpr int64_t KG = 4;
+
+void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
+                 const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
+                 int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
+                 int64_t q_tile) {
+  using T = at::BFloat16;
+  const int64_t heads = q.size(1), g = heads / kvh, d = q.size(2);
+  const int64_t ss = KT * KG, ps = KT / 2 * KG;  // S and Pw row strides
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const std::vector<int64_t> tile0 = query_tiles(q_len, num_seqs, q_tile);
+  const int64_t tasks = tile0[num_seqs] * kvh;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = g * q_tile;
+    std::vector<float> Qf(max_rows * d), O(max_rows * d), m(max_rows), l(max_rows), S(max_rows * ss);
+    std::vector<uint32_t> Qw(max_rows * d / 2), Kw(d / 2 * KT), Pw(max_rows * ps);
+    std::vector<uint16_t> Vw(KT * KG * d);
+    std::vector<int64_t> qpos(max_rows);
+    int64_t kpos[KG], ntl[KG], ng = 0;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 scv = _mm512_set1_ps(scale);
+    for (int64_t task = begin; task < end; ++task) {
+      const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
+                                 Qf.data(), qpos.data(), O.data(), m.data(), l.data());
+      const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
+      for (int64_t r = 0; r < rows; ++r) {  // the rows' own bf16 bits (unscaled): row r = (token, head in group)
+        const int64_t i = tk.i0 + r / g, j = r % g;
+        std::memcpy(Qw.data() + r * d / 2, qp + ((q_start[s] + i) * heads + h * g + j) * d, d * 2);
+      }
+      // The online softmax over the ng tiles gathered (scores in S, value pairs in Vw), then O += P V.
+      auto flush = [&]() {
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 sv[KG];
+          __mmask16 mk[KG];
+          __m512 vmax = ninf;
+          for (int64_t t = 0; t < ng; ++t) {
+            const int64_t a = w > 0 ? std::max<int64_t>(0, qpos[r] - w + 1 - kpos[t]) : 0;
+            const int64_t z = std::min<int64_t>(ntl[t], qpos[r] - kpos[t] + 1);
+            mk[t] = a >= z ? 0 : _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(a)), _CMP_GE_OQ) &
+                                     _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(z)), _CMP_LT_OQ);
+            sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT), scv);
+            vmax = _mm512_max_ps(vmax, sv[t]);
+          }
+          uint32_t* pw = Pw.data() + r * ps;
+          const float gmax = _mm512_reduce_max_ps(vmax);
+          if (gmax == -std::numeric_limits<float>::infinity()) {  // no key of these tiles is visible to row r
+            std::memset(pw, 0, ng * KT * 2);
+            continue;
+          }
+          const float mx = std::max(m[r], gmax);
+          const __m512 mxv = _mm512_set1_ps(mx);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < ng; ++t) {
+            const __m512 p = _mm512_maskz_mov_ps(mk[t], exp_ps16(_mm512_sub_ps(sv[t], mxv)));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2), (__m256i)_mm512_cvtneps_pbh(p));
+          }
+          const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
+          l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+          m[r] = mx;
+          if (corr != 1.f) {
+            float* orow = O.data() + r * d;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(orow + e, _mm512_mul_ps(_mm512_loadu_ps(orow + e), cv));
+          }
+        }
+        pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
+        ng = 0;
+      };
+      const int64_t* table = tables + s * table_stride;
+      for_each_key_tile(table, lo, hi, bs, ks, vs, h, kvh, d, [&](int64_t b, int64_t kpos0, int64_t c0, int64_t nt) {
+        load_key_words(ks, b, h, c0, nt, kvh, d, Kw.data());
+        qk_word_rows(Qw.data(), rows, d, Kw.data(), S.data() + ng * KT, ss);
+        load_value_pairs(vs, b, h, c0, nt, kvh, d, Vw.data() + ng * KT * d);
+        kpos[ng] = kpos0;
+        ntl[ng] = nt;
+        if (++ng == KG) flush();
+      });
+      if (ng > 0) flush();
+      end_task(tk, g, heads, d, q_start, O.data(), l.data(), op);
+    }
+  });
+}
+#endif  // KVSERVE_BF16DOT
 #endif  // KVSERVE_AVX2
 
 Side make_side(const torch::Tensor& base, const std::vector<int64_t>& p) {
@@ -651,6 +935,14 @@ int64_t float_kind(const torch::Tensor& t) {
 
 }  // namespace
 
+bool bf16dot_available() {
+#ifdef KVSERVE_BF16DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool tiled_available() {
 #ifdef KVSERVE_AVX2
   return true;
@@ -663,7 +955,9 @@ bool tiled_available() {
 // queries at rows q_start[s].. (positions seq_len[s] - q_len[s] ..), window[s] (0 = none), block
 // table row s of ``tables`` [S, n] int64. ``k_base``/``v_base``: any tensor whose storage holds
 // that side's blocks (see the header for the params). ``shadow`` [2, W, bs, kvh, d] or empty.
-// impl: 0 the tiled path where it exists (AVX2 + FMA, head_dim % 8 == 0), else scalar; 1 scalar.
+// impl: 0 the fastest path that covers the case: bf16-dot (AVX512-BF16 builds: bf16 q on the bf16
+// pool, no shadow, head_dim % 32 == 0), else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar;
+// 1 scalar; 2 tiled where it exists (never bf16-dot), else scalar.
 void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor seq_len, torch::Tensor window, torch::Tensor tables, double scale,
                      int64_t block_size, int64_t kv_heads, torch::Tensor k_base, std::vector<int64_t> k_params,
@@ -699,6 +993,13 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
   const int64_t stride = tables.size(1);
   const int64_t d = q.size(2);
   const bool tiled = impl != 1 && tiled_available() && d % 8 == 0;
+#ifdef KVSERVE_BF16DOT
+  if (impl == 0 && q.scalar_type() == at::kBFloat16 && ks.kind == 0 && vs.kind == 0 && shadow.numel() == 0 &&
+      d % 32 == 0) {
+    run_bf16dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, tile);
+    return;
+  }
+#endif
 #define KVSERVE_ARGS q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile
 #ifdef KVSERVE_AVX2
 #define KVSERVE_TILED(T) if (tiled) run_tiled<T>(KVSERVE_ARGS); else
@@ -725,4 +1026,6 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (decode and prefill chunks)");
   m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
+  m.def("bf16dot_available", &bf16dot_available,
+        "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16 pool)");
 }
