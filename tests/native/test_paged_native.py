@@ -170,13 +170,18 @@ def test_bf16_dot_path_matches_reference_and_tiled_path(d, heads, kvh, window, m
 @needs_bf16dot
 def test_the_bf16_dot_path_leaves_other_cases_to_the_tiled_path(monkeypatch):
     """fp32 and fp16 queries, and a head_dim that is not a multiple of 32, run the tiled path
-    whatever IMPL allows: bit for bit its output."""
+    whatever IMPL allows: bit for bit its output. (int4 pools: the same, below.)"""
     for dtype, d in ((torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 24)):
         outs = []
         for impl in (0, 2):
             monkeypatch.setattr(attention_native, "IMPL", impl)
             outs.append(run_plain(CASES["prefill-chunks"], 14, 2, None, dtype, share=True, d=d)[0])
         assert torch.equal(outs[0], outs[1]), (dtype, d)
+    outs = []
+    for impl in (0, 2):
+        monkeypatch.setattr(attention_native, "IMPL", impl)
+        outs.append(drive(storage("int4", torch.bfloat16, 2, window_blocks=48, sinks=2, d=64), CODEC_SPECS, 14, None)[0])
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_shared_blocks_are_read_by_every_sequence():
@@ -292,6 +297,30 @@ def test_short_sequences_read_their_shadows(impl):
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("pool", ["int8", "fp8", "k:int8,v:fp8"])
+@pytest.mark.parametrize("d,bs", [(32, 4), (64, 16)])
+@pytest.mark.parametrize("min_tokens", [0, 12])
+def test_bf16_dot_path_reads_int8_and_fp8_pools(pool, d, bs, min_tokens, monkeypatch):
+    """The bf16-dot path on the int8 / fp8 pools (codes widened to bf16 exactly, the per-token
+    scale on the scores and the probabilities), with and without full-precision shadows for short
+    sequences: against the reference on what the codec stored and the tiled path."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", bs)
+    specs = [(3, 1), (20, 1), (5, 4), (40, 17), (70, 1)]
+    outs = {}
+    for impl in (0, 2):
+        monkeypatch.setattr(attention_native, "IMPL", impl)
+        s = storage(pool, torch.bfloat16, 2, window_blocks=48, min_tokens=min_tokens, d=d)
+        outs[impl] = drive(s, specs, 14, None)
+    out, torch_out, refs, qsl, src = outs[0]
+    assert src is not None and (src.shadow[0].numel() > 0) == (min_tokens > 0)
+    assert not torch.equal(out, outs[2][0])  # another path ran
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=3e-2, rtol=3e-2, msg=f"sequence {i}")
+    torch.testing.assert_close(out.float(), outs[2][0].float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_two_codecs_in_one_pool_fall_back_to_the_torch_path():

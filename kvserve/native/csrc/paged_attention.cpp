@@ -16,7 +16,7 @@
 // A side's block b starts at base + b * block_stride bytes. A block with a shadow (a full-precision
 // copy in the model dtype, kvserve.kv.storage) reads its first shadow_rows[b] rows from it.
 //
-// Paths: bf16-dot (AVX512-BF16 builds; bf16 queries on the bf16 pool, head_dim % 32 == 0),
+// Paths: bf16-dot (AVX512-BF16 builds; bf16 queries on the bf16, int8 or fp8 pool, head_dim % 32 == 0),
 // tiled (AVX2 + FMA, head_dim % 8 == 0), scalar (any): see each section's header.
 //
 // Invariants: tables hold ceil(seq_len / block_size) valid ids per sequence; q_len <= seq_len;
@@ -657,7 +657,7 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVSERVE_BF16DOT 1
-// ---- The bf16-dot path (AVX512-BF16; bf16 queries on the bf16 pool; head_dim % 32 == 0) --------
+// ---- The bf16-dot path (AVX512-BF16; bf16 queries on the bf16, int8 or fp8 pool; head_dim % 32 == 0)
 // Keys are taken KT = 16 at a time, as in the tiled path, but the products run on vdpbf16ps (two
 // bf16 products per fp32 lane per instruction):
 // * scores: the tile's K rows are transposed as 32-bit words (one word = 2 adjacent head_dim
@@ -698,34 +698,60 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-// Kw[w * 16 + k] = word w of key k's row (keys c0..c0+nt-1 of block b, head h; missing keys 0).
-inline void load_key_words(const Side& s, int64_t b, int64_t h, int64_t c0, int64_t nt, int64_t kvh, int64_t d,
-                           uint32_t* Kw) {
+// The bf16 rows of keys c0..c0+nt-1 of block b, head h (row[k]; nullptr past nt) and their scales
+// (rsc[k]; 0 past nt): the pool's own rows (bf16), a shadow's (bf16, scale 1), or int8 codes and
+// fp8 e4m3 values widened to bf16 in ``stage`` (exact: both are bf16 values) with the codec's
+// per-token scale, which is applied to the 16 scores (K) or the 16 probabilities (V).
+inline void bf16_rows(const Side& s, const Shadow& sh, int64_t b, int64_t h, int64_t c0, int64_t nt, int64_t bs,
+                      int64_t kvh, int64_t d, uint16_t* stage, const uint16_t** row, float* rsc) {
   const uint8_t* blk = s.base + b * s.block_stride;
+  const int64_t shadow_rows = sh.base != nullptr && sh.has[b] ? sh.rows[b] : 0;
+  for (int64_t k = 0; k < KT; ++k) {
+    const int64_t t = c0 + k, th = t * kvh + h;
+    rsc[k] = k < nt ? 1.f : 0.f;
+    if (k >= nt) {
+      row[k] = nullptr;
+    } else if (t < shadow_rows) {
+      row[k] = reinterpret_cast<const uint16_t*>(sh.base + (sh.slot[b] * bs * kvh + th) * d * 2);
+    } else if (s.kind == 0) {
+      row[k] = reinterpret_cast<const uint16_t*>(blk + th * d * 2);
+    } else {  // 3 int8, 4 fp8 e4m3: codes at q_off, fp32 scale per (token, head) at scale_off
+      const int8_t* c = reinterpret_cast<const int8_t*>(blk + s.q_off) + th * d;
+      uint16_t* o = stage + k * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + e)));
+        const __m512 f = s.kind == 3 ? _mm512_cvtepi32_ps(x)
+                                     : _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(x, 20),
+                                                         _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u)))),
+                                                     _mm512_set1_ps(1.329227995784916e36f));  // e4m3 (fp8_to_f)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + e), (__m256i)_mm512_cvtneps_pbh(f));
+      }
+      row[k] = o;
+      rsc[k] = reinterpret_cast<const float*>(blk + s.scale_off)[th];
+    }
+  }
+}
+
+// Kw[w * 16 + k] = word w of key k's row (a missing row: 0).
+inline void load_key_words(const uint16_t* const* row, int64_t d, uint32_t* Kw) {
   for (int64_t w0 = 0; w0 < d / 2; w0 += 16) {
     __m512i r[16];
-    for (int64_t k = 0; k < 16; ++k)
-      r[k] = k < nt ? _mm512_loadu_si512(blk + ((c0 + k) * kvh + h) * d * 2 + w0 * 4) : _mm512_setzero_si512();
+    for (int64_t k = 0; k < 16; ++k) r[k] = row[k] ? _mm512_loadu_si512(row[k] + w0 * 2) : _mm512_setzero_si512();
     transpose16x16(r);
     for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(Kw + (w0 + i) * 16, r[i]);
   }
 }
 
-// Vw[(k * d + e) * 2 + {0, 1}] = (v_2k[e], v_2k+1[e]) as one word per (pair k, element e), keys
-// c0..c0+nt-1 (a missing key's values are 0).
-inline void load_value_pairs(const Side& s, int64_t b, int64_t h, int64_t c0, int64_t nt, int64_t kvh, int64_t d,
-                             uint16_t* Vw) {
-  const uint8_t* blk = s.base + b * s.block_stride;
+// Vw[(k * d + e) * 2 + {0, 1}] = (v_2k[e], v_2k+1[e]) as one word per (pair k, element e) (a missing
+// row's values are 0).
+inline void load_value_pairs(const uint16_t* const* row, int64_t d, uint16_t* Vw) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t k = 0; k < KT / 2; ++k) {
-    const uint8_t* a = blk + ((c0 + 2 * k) * kvh + h) * d * 2;
-    const uint8_t* z = blk + ((c0 + 2 * k + 1) * kvh + h) * d * 2;
+    const uint16_t *a = row[2 * k], *z = row[2 * k + 1];
     for (int64_t e = 0; e < d; e += 16) {
-      const __m256i va = 2 * k < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + e * 2))
-                                    : _mm256_setzero_si256();
-      const __m256i vb = 2 * k + 1 < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + e * 2))
-                                        : _mm256_setzero_si256();
+      const __m256i va = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + e)) : _mm256_setzero_si256();
+      const __m256i vb = z ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + e)) : _mm256_setzero_si256();
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
       _mm512_storeu_si512(Vw + (k * d + e) * 2, _mm512_permutexvar_epi16(idx, both));
     }
@@ -838,7 +864,7 @@ constexpr int64_t KG = 4;
 void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
                  const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
                  int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
-                 int64_t q_tile) {
+                 const Shadow& shk, const Shadow& shv, int64_t q_tile) {
   using T = at::BFloat16;
   const int64_t heads = q.size(1), g = heads / kvh, d = q.size(2);
   const int64_t ss = KT * KG, ps = KT / 2 * KG;  // S and Pw row strides
@@ -850,9 +876,11 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
     const int64_t max_rows = g * q_tile;
     std::vector<float> Qf(max_rows * d), O(max_rows * d), m(max_rows), l(max_rows), S(max_rows * ss);
     std::vector<uint32_t> Qw(max_rows * d / 2), Kw(d / 2 * KT), Pw(max_rows * ps);
-    std::vector<uint16_t> Vw(KT * KG * d);
+    std::vector<uint16_t> Vw(KT * KG * d), stage(KT * d);
     std::vector<int64_t> qpos(max_rows);
     int64_t kpos[KG], ntl[KG], ng = 0;
+    const uint16_t* row[KT];
+    float ksc[KG][KT], vsc[KG][KT];
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __m512 scv = _mm512_set1_ps(scale);
@@ -875,7 +903,8 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
             const int64_t z = std::min<int64_t>(ntl[t], qpos[r] - kpos[t] + 1);
             mk[t] = a >= z ? 0 : _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(a)), _CMP_GE_OQ) &
                                      _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(z)), _CMP_LT_OQ);
-            sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT), scv);
+            sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT),
+                                       _mm512_mul_ps(scv, _mm512_loadu_ps(ksc[t])));
             vmax = _mm512_max_ps(vmax, sv[t]);
           }
           uint32_t* pw = Pw.data() + r * ps;
@@ -890,7 +919,8 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
           for (int64_t t = 0; t < ng; ++t) {
             const __m512 p = _mm512_maskz_mov_ps(mk[t], exp_ps16(_mm512_sub_ps(sv[t], mxv)));
             sum = _mm512_add_ps(sum, p);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2), (__m256i)_mm512_cvtneps_pbh(p));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
           }
           const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
           l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
@@ -906,9 +936,11 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
       };
       const int64_t* table = tables + s * table_stride;
       for_each_key_tile(table, lo, hi, bs, ks, vs, h, kvh, d, [&](int64_t b, int64_t kpos0, int64_t c0, int64_t nt) {
-        load_key_words(ks, b, h, c0, nt, kvh, d, Kw.data());
+        bf16_rows(ks, shk, b, h, c0, nt, bs, kvh, d, stage.data(), row, ksc[ng]);
+        load_key_words(row, d, Kw.data());
         qk_word_rows(Qw.data(), rows, d, Kw.data(), S.data() + ng * KT, ss);
-        load_value_pairs(vs, b, h, c0, nt, kvh, d, Vw.data() + ng * KT * d);
+        bf16_rows(vs, shv, b, h, c0, nt, bs, kvh, d, stage.data(), row, vsc[ng]);
+        load_value_pairs(row, d, Vw.data() + ng * KT * d);
         kpos[ng] = kpos0;
         ntl[ng] = nt;
         if (++ng == KG) flush();
@@ -956,7 +988,7 @@ bool tiled_available() {
 // table row s of ``tables`` [S, n] int64. ``k_base``/``v_base``: any tensor whose storage holds
 // that side's blocks (see the header for the params). ``shadow`` [2, W, bs, kvh, d] or empty.
 // impl: 0 the fastest path that covers the case: bf16-dot (AVX512-BF16 builds: bf16 q on the bf16
-// pool, no shadow, head_dim % 32 == 0), else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar;
+// pool or the int8 / fp8 pools (a bf16 shadow allowed), head_dim % 32 == 0), else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar;
 // 1 scalar; 2 tiled where it exists (never bf16-dot), else scalar.
 void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor seq_len, torch::Tensor window, torch::Tensor tables, double scale,
@@ -994,9 +1026,10 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
   const int64_t d = q.size(2);
   const bool tiled = impl != 1 && tiled_available() && d % 8 == 0;
 #ifdef KVSERVE_BF16DOT
-  if (impl == 0 && q.scalar_type() == at::kBFloat16 && ks.kind == 0 && vs.kind == 0 && shadow.numel() == 0 &&
-      d % 32 == 0) {
-    run_bf16dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, tile);
+  auto bf16_side = [](const Side& x) { return x.kind == 0 || x.kind == 3 || x.kind == 4; };  // bf16, int8, fp8
+  if (impl == 0 && q.scalar_type() == at::kBFloat16 && bf16_side(ks) && bf16_side(vs) &&
+      (shadow.numel() == 0 || shk.kind == 0) && d % 32 == 0) {
+    run_bf16dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
     return;
   }
 #endif
@@ -1027,5 +1060,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (decode and prefill chunks)");
   m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
   m.def("bf16dot_available", &bf16dot_available,
-        "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16 pool)");
+        "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16, int8 or fp8 pool)");
 }
