@@ -98,16 +98,20 @@ def uniform(path: str, source: str) -> GemmPlan:
     return GemmPlan({r: (path, path, path) for r in ROLES}, source)
 
 
+def _fastest_on(band: dict[str, float], storage: str) -> str | None:
+    """The band's fastest path among those on ``storage`` (None: none is)."""
+    return min((p for p in band if storage_of(p) == storage), key=band.__getitem__, default=None)
+
+
 def _on_storage(bands: list[dict[str, float]], storage: str) -> tuple[str, ...] | None:
     """The fastest path of each band among those on ``storage`` (a split between them is free:
     they read one tensor); None when some band has none."""
-    picks = [min((p for p in b if storage_of(p) == storage), key=b.__getitem__, default=None) for b in bands]
+    picks = [_fastest_on(b, storage) for b in bands]
     return None if None in picks else tuple(picks)  # type: ignore[arg-type]
 
 
-def _regret_of(bands: list[dict[str, float]], paths: tuple[str, ...] | None) -> float:
+def _regret_of(bands: list[dict[str, float]], paths: tuple[str, ...]) -> float:
     """The worst slowdown of one path per band against each band's fastest."""
-    assert paths is not None
     return max(b[p] / min(b.values()) for b, p in zip(bands, paths))
 
 
@@ -164,13 +168,13 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
     split: list[tuple[float, int, str, tuple[str, ...]]] = []
     for role, bands in timings.items():
         storages = list(dict.fromkeys(storage_of(p) for p in bands[0]))
-        on = {s: _on_storage(bands, s) for s in storages}
-        single = min((s for s in storages if on[s] is not None), key=lambda s: _regret_of(bands, on[s]))
+        on = {s: t for s in storages if (t := _on_storage(bands, s)) is not None}
+        single = min(on, key=lambda s: _regret_of(bands, on[s]))
         base: tuple[str, str, str] = on[single]  # type: ignore[assignment]
         paths[role] = base
         options = {tuple(_band_best(b, single) for b in bands)}
         for other in storages:  # one more storage, where it is SPLIT_MIN_GAIN faster
-            alt = [min((p for p in b if storage_of(p) == other), key=b.__getitem__, default=None) for b in bands]
+            alt = [_fastest_on(b, other) for b in bands]
             options.add(tuple(p if p is not None and b[p0] >= b[p] * SPLIT_MIN_GAIN else p0
                               for b, p0, p in zip(bands, base, alt)))
         for option in options - {base}:
