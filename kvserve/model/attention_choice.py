@@ -8,7 +8,9 @@ whose sequences all decode), ``attention_prefill`` ``q<=96`` (steps whose longes
 :func:`kvserve.native.cache_dir` (``attention_backend.json``), keyed by CPU model and flags, torch
 version, the kernel's and the torch path's source hash and shape, so a later start reads it instead of timing
 (``KVSERVE_ATTENTION_RETUNE=1`` measures again). Every choice is recorded in
-:mod:`kvserve.native.choices` (``source``: measured, cached, forced or fallback).
+:mod:`kvserve.native.choices` (``source``: measured, cached, forced or fallback), and where the
+kernel is available, which of its paths the model's dtype and head_dim run on this CPU (role
+``attention_native``: ``bf16_dot``, ``tiled`` or ``scalar``).
 
 ``"torch_sdpa"`` and ``"native"`` force a backend (``native`` still falls back to the torch path
 where the kernel is unavailable or does not cover a case; see :mod:`kvserve.model.attention_native`).
@@ -127,6 +129,8 @@ def select_backend(requested: str, *, heads: int, kv_heads: int, head_dim: int, 
         for role in roles:
             record(KernelChoice(*role.split("/"), "torch_sdpa", source="fallback"))
         return TorchSDPABackend() if requested == "auto" else NativePagedBackend()
+    # Which of the kernel's own paths runs where it is chosen (bf16-dot, tiled, scalar): the CPU's.
+    record(KernelChoice("attention_native", "all", attention_native.kernel_path(dtype, head_dim), source="default"))
     if requested == "native":
         for role in roles:
             record(KernelChoice(*role.split("/"), "native", source="forced"))

@@ -55,6 +55,20 @@ def unavailable_reason() -> str | None:
     return native.unavailable_reason(EXTENSION)
 
 
+def kernel_path(dtype: torch.dtype, head_dim: int) -> str:
+    """Which of the kernel's paths a model of this dtype and head_dim runs on its float, int8 and
+    fp8 pools (int4 pools: the tiled path where it exists): ``bf16_dot``, ``tiled`` or ``scalar``
+    (``IMPL`` and the build's instruction sets decide, as in ``paged_attention.cpp``)."""
+    mod = native_module()
+
+    def has(name: str) -> bool:
+        return bool(getattr(mod, name, lambda: False)())
+
+    if IMPL == 0 and dtype == torch.bfloat16 and head_dim % 32 == 0 and has("bf16dot_available"):
+        return "bf16_dot"
+    return "tiled" if IMPL != 1 and head_dim % 8 == 0 and has("tiled_available") else "scalar"
+
+
 @dataclass
 class NativePlan:
     """One step's kernel inputs, shared by every layer: the sequences the kernel attends (their

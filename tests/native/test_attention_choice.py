@@ -64,9 +64,11 @@ def test_auto_picks_the_faster_per_role_and_caches_it(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_choice, "measure", lambda *a: real(*a, timer=timer))
     b = attention_choice.select_backend("auto", **SHAPE)
     assert isinstance(b, NativePagedBackend) and b.decode and b.short_prefill and not b.prefill
+    path = "tiled" if native_module().tiled_available() else "scalar"  # fp32, head_dim 8: never bf16-dot
     assert recorded() == {("attention_decode", "all"): ("native", "measured"),
                           ("attention_prefill", "q<=96"): ("native", "measured"),
-                          ("attention_prefill", "q>96"): ("torch_sdpa", "measured")}
+                          ("attention_prefill", "q>96"): ("torch_sdpa", "measured"),
+                          ("attention_native", "all"): (path, "default")}
     assert len(calls) == 6
     data = json.loads((tmp_path / attention_choice.CACHE_FILE).read_text())
     key = attention_choice.cache_key(*SHAPE.values())
@@ -95,6 +97,27 @@ def test_a_step_the_kernel_is_not_chosen_for_runs_the_torch_plan():
     short = NativePagedBackend(decode=False, prefill=False, short_prefill=True, short_chunk=2)
     assert isinstance(short.plan(pre, shape, torch.device("cpu")), NativePlan)
     assert isinstance(short.plan(dec, shape, torch.device("cpu")), StepPlan)
+
+
+@pytest.mark.skipif(native_module() is None, reason="no native kernel")
+def test_the_kernel_path_follows_the_cpu_dtype_and_head_dim(monkeypatch):
+    """bf16 at a head_dim that is a multiple of 32 runs bf16-dot exactly where the build has it;
+    fp32, fp16 and head_dim 24 the tiled path; IMPL 1 the scalar one."""
+    from kvserve.model import attention_native
+
+    mod = native_module()
+    tiled = "tiled" if mod.tiled_available() else "scalar"
+    assert attention_native.kernel_path(torch.bfloat16, 64) == ("bf16_dot" if mod.bf16dot_available() else tiled)
+    assert attention_native.kernel_path(torch.float32, 64) == tiled
+    assert attention_native.kernel_path(torch.float16, 128) == tiled
+    assert attention_native.kernel_path(torch.bfloat16, 24) == tiled
+    monkeypatch.setattr(attention_native, "IMPL", 1)
+    assert attention_native.kernel_path(torch.bfloat16, 64) == "scalar"
+    monkeypatch.setattr(attention_native, "IMPL", 2)
+    assert attention_native.kernel_path(torch.bfloat16, 64) == tiled
+    bf16 = {**SHAPE, "dtype": torch.bfloat16, "head_dim": 32}
+    attention_choice.select_backend("native", **bf16)
+    assert recorded()[("attention_native", "all")] == (tiled, "default")
 
 
 def test_measuring_gives_both_backends_per_role():
