@@ -86,17 +86,27 @@ def _staged(paths: list[Path], build: Path) -> list[Path]:
 
 
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock this old was left by a killed one
+LOCK_POLL_S = 1.0
 
 
-def _clear_stale_lock(build: Path) -> None:
-    """Remove torch's build lock if a killed build left it: torch would wait on it for ever."""
+def _wait_for_lock(build: Path) -> None:
+    """Wait while another process holds torch's build lock, and remove it once it is stale.
+
+    torch waits on a held lock for ever, and a killed build leaves its lock behind, so a process
+    that starts while such a lock is fresh would hang (a CI run hung at test collection this way
+    when a concurrent run was killed mid-build). Waiting here, before torch looks, bounds that
+    wait by :data:`STALE_LOCK_S`; a live build releases the lock well within it."""
     lock = build / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
             log.warning("removing a stale native build lock %s (a build was killed)", lock)
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(LOCK_POLL_S)
 
 
 def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | None:
@@ -118,7 +128,7 @@ def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | 
     key = _build_key(name, paths, flags)
     build = cache_dir() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build)
+    _wait_for_lock(build)
     try:
         mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in _staged(paths, build)],
                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],

@@ -54,8 +54,9 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert native.cache_dir() == tmp_path / "x" / "kvserve"
 
 
-def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_is_kept(tmp_path):
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch):
     import os
+    import threading
     import time
 
     stale = tmp_path / "old"
@@ -63,11 +64,21 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_is_kept(tmp_pa
     (stale / "lock").write_text("")
     old = time.time() - native.STALE_LOCK_S - 5
     os.utime(stale / "lock", (old, old))
-    native._clear_stale_lock(stale)
+    native._wait_for_lock(stale)
     assert not (stale / "lock").exists()  # torch would have waited on it for ever
-    fresh = tmp_path / "building"
-    fresh.mkdir()
-    (fresh / "lock").write_text("")  # another process is building right now
-    native._clear_stale_lock(fresh)
-    assert (fresh / "lock").exists()
-    native._clear_stale_lock(tmp_path / "nothing-here")
+    monkeypatch.setattr(native, "LOCK_POLL_S", 0.02)
+    live = tmp_path / "building"
+    live.mkdir()
+    (live / "lock").write_text("")  # another process is building right now, done in 0.2 s
+    done = threading.Timer(0.2, (live / "lock").unlink)
+    done.start()
+    t0 = time.monotonic()
+    native._wait_for_lock(live)
+    assert time.monotonic() - t0 >= 0.15 and not (live / "lock").exists()
+    done.join()
+    monkeypatch.setattr(native, "STALE_LOCK_S", 0.3)  # a fresh lock whose builder died: bounded wait
+    (live / "lock").write_text("")
+    t0 = time.monotonic()
+    native._wait_for_lock(live)
+    assert 0.25 <= time.monotonic() - t0 < 5 and not (live / "lock").exists()
+    native._wait_for_lock(tmp_path / "nothing-here")
