@@ -10,7 +10,10 @@ Two measurements, same engine, decode phase only:
   logits projection and the sampler (timers wrapped around those three calls). Bookkeeping =
   step - forward - logits - sampling: scheduling, the runner's input tensors, output processing,
   detokenising. Issue 14's target: under 2% of the step.
-* **ops**: ``torch.profiler`` over a few decode steps: self CPU time per op per step, top ops.
+* **modules**: time inside each kind of module (forward hooks: the MLPs, qkv/o projections,
+  attention, norms, summed over layers; the logits projection), which sees the native kernels;
+* **ops**: ``torch.profiler`` over a few decode steps: self CPU time per op per step, top ops
+  (it cannot see into the native kernels or FBGEMM's pool threads).
 
 Prints both and writes JSON (default ``benchmarks/results/step_profile.json``), with the CPU.
 """
@@ -44,6 +47,33 @@ def timed(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
+def module_times(eng: Any, model: Any, steps: int) -> dict[str, float]:
+    """ms per step inside each kind of module (forward hooks; a layer's submodules summed over the
+    layers, keyed by their name inside a layer, e.g. ``mlp``, ``self_attn.qkv_proj``; the logits
+    projection as ``lm_head``). Native kernels (the tiled GEMM, FBGEMM's pool shards, the paged
+    attention) show here, where the op profiler cannot see into them."""
+    import collections
+
+    acc: dict[str, float] = collections.defaultdict(float)
+    starts: dict[str, float] = {}
+    handles = []
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        key = ".".join(parts[3:]) if len(parts) > 3 and parts[1] == "layers" else name
+        if key.split(".")[-1] in ("qkv_proj", "o_proj", "mlp", "self_attn", "input_layernorm",
+                                  "post_attention_layernorm", "lm_head", "embed_tokens"):
+            handles.append(mod.register_forward_pre_hook(lambda m, i, k=key: starts.__setitem__(k, time.perf_counter())))
+            handles.append(mod.register_forward_hook(
+                lambda m, i, o, k=key: acc.__setitem__(k, acc[k] + time.perf_counter() - starts[k])))
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v * 1e3 / steps for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "benchmarks" / ".cache" / "qwen2.5-0.5b"))
@@ -63,7 +93,7 @@ def main() -> None:
     runner.model.forward = timed(runner.model.forward, sinks["forward"])
     runner.model.compute_logits = timed(runner.model.compute_logits, sinks["logits"])
     runner.sampler.sample = timed(runner.sampler.sample, sinks["sample"])
-    total = args.steps + args.profile_steps + 2
+    total = 2 * args.steps + args.profile_steps + 2  # split, modules, profile
     params = SamplingParams(max_tokens=total + 4, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
         eng.add_request({"prompt_token_ids": [10 + (j * 7 + i) % 3000 for j in range(args.context)]}, params)
@@ -89,6 +119,11 @@ def main() -> None:
         print(f"{k:>12} {per_step[k]:>15.3f} {med[k]:>10.3f} {per_step[k] / per_step['step']:>7.1%}")
     print(f"{'bookkeeping':>12} {book:>15.3f} {'':>10} {book / per_step['step']:>7.1%}")
 
+    modules = module_times(eng, runner.model, args.steps)
+    print(f"\ntime inside modules (forward hooks), ms/step over {args.steps} steps")
+    for k, v in modules.items():
+        print(f"{k:>44} {v:>10.3f}")
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,7 +143,8 @@ def main() -> None:
     eng.run_until_done()
     out = {"cpu": info, "torch": torch.__version__, "threads": args.threads, "batch": args.batch,
            "context": args.context, "steps": args.steps, "ms_per_step": per_step, "median_ms": med,
-           "bookkeeping_ms": book, "bookkeeping_share": book / per_step["step"], "ops": ops[:40],
+           "bookkeeping_ms": book, "bookkeeping_share": book / per_step["step"], "modules_ms_per_step": modules,
+           "ops": ops[:40],
            "kernel_choices": [vars(c) for c in choices()]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
