@@ -174,7 +174,7 @@ inline std::vector<int64_t> query_tiles(const int64_t* q_len, int64_t num_seqs, 
 }
 
 // One task's query rows: (sequence s, KV head h, query tokens i0..i1-1), rows ordered (query
-// token, head in group): row r = (i - i0) * g + j. Fills Q (scaled), qpos, and the accumulators.
+// token, head in group): row r = (i - i0) * g + j. Fills Q (scaled; skipped when Q is null), qpos, and the accumulators.
 struct Task {
   int64_t h, s, i0, i1, rows, w, lo, hi;  // keys lo..hi-1 are visible to some row
 };
@@ -196,7 +196,8 @@ Task begin_task(int64_t task, const std::vector<int64_t>& tile0, int64_t kvh, in
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = (i - t.i0) * g + j;
       const T* src = qp + ((q_start[t.s] + i) * heads + t.h * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
+      if (Q != nullptr)
+        for (int64_t e = 0; e < d; ++e) Q[r * d + e] = static_cast<float>(src[e]) * scale;
       qpos[r] = first_q + i;
     }
   }
@@ -874,7 +875,7 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
   const int64_t tasks = tile0[num_seqs] * kvh;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = g * q_tile;
-    std::vector<float> Qf(max_rows * d), O(max_rows * d), m(max_rows), l(max_rows), S(max_rows * ss);
+    std::vector<float> O(max_rows * d), m(max_rows), l(max_rows), S(max_rows * ss);
     std::vector<uint32_t> Qw(max_rows * d / 2), Kw(d / 2 * KT), Pw(max_rows * ps);
     std::vector<uint16_t> Vw(KT * KG * d), stage(KT * d);
     std::vector<int64_t> qpos(max_rows);
@@ -886,7 +887,7 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
     const __m512 scv = _mm512_set1_ps(scale);
     for (int64_t task = begin; task < end; ++task) {
       const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
-                                 Qf.data(), qpos.data(), O.data(), m.data(), l.data());
+                                 nullptr, qpos.data(), O.data(), m.data(), l.data());  // Q: its own bf16 words
       const int64_t h = tk.h, s = tk.s, rows = tk.rows, w = tk.w, lo = tk.lo, hi = tk.hi;
       for (int64_t r = 0; r < rows; ++r) {  // the rows' own bf16 bits (unscaled): row r = (token, head in group)
         const int64_t i = tk.i0 + r / g, j = r % g;
