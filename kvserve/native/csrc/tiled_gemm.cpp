@@ -104,39 +104,73 @@ void widen_panel(const uint16_t* w, int64_t k, int64_t n0, int64_t rows, int64_t
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVS_BF16DOT 1
 // bf16 weights and bf16 inputs, few rows, on AVX512-BF16 (vdpbf16ps: 32 bf16 products a step,
-// summed in pairs into 16 fp32 lanes). No widening, so 16 rows run near the memory bound where the
-// AVX2 path is FMA-bound. Products are exact in fp32; only the summation order differs.
+// summed in pairs into 16 fp32 lanes). No widening, so the products run at one instruction a cycle
+// where the AVX2 path widens first. Products are exact in fp32; only the summation order differs.
+//
+// A pass takes a group's 4 weight rows against MT <= 6 input rows: 24 accumulators + 4 weight
+// vectors + 1 input vector of the 32 registers, 10 loads per 24 products (4 x 4 took 8 per 16 and
+// ran 1.3-1.5x slower at 16 rows on a Zen 4). Each pass ends in one reduction tree per input row
+// (4 accumulators -> 4 sums: 9 vector ops against 4 x 8 for four horizontal sums). The next group
+// is prefetched into L2 spread over every pass of this group (a pass's share of its lines each
+// step), so the stream from memory overlaps all the arithmetic, not only the first pass's.
+inline __m128 sum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// Prefetch of the next group during this one: lines [line, line + per_step * steps) of `next`,
+// per_step a step, none past `lines` (the group's size in 64-byte lines).
+struct Prefetch {
+  const char* next;
+  int64_t line, per_step, lines;
+  inline void step() {
+    for (int64_t l = line, e = std::min(line + per_step, lines); l < e; ++l) prefetch_l2(next + l * 64);
+    line += per_step;
+  }
+};
+
 // out[m][0..3] = dot(W rows w[0..3], x row m) for MT input rows (bf16, xs apart), any K % 8 == 0.
 template <int MT>
-inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k, float* out, bool pf) {
+inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k, float* out, Prefetch& pf) {
   __m512 acc[MT][kRows];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 32) {
-    const __mmask32 mask = k - j >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - j)) - 1;
-    if (pf)  // the next group, 4 lines a step (see prefetch_l2)
-      for (int r = 0; r < kRows; ++r) prefetch_l2(w[0] + 4 * k + 4 * j + r * 32);
+  auto step = [&](int64_t j, __mmask32 mask) {
+    pf.step();
     __m512bh wv[kRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + j);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + j);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
     }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kRows; ++r) out[m * kRows + r] = _mm512_reduce_add_ps(acc[m][r]);
+  };
+  int64_t j = 0;
+  for (; j + 32 <= k; j += 32) step(j, ~__mmask32(0));  // all-ones mask: a plain load
+  if (j < k) step(j, (__mmask32(1) << (k - j)) - 1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) _mm_storeu_ps(out + m * kRows, sum4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
 
+constexpr int kPassRows = 6;  // input rows per pass (see above)
+
 void dots_bf16(const uint16_t* const* wg, const uint16_t* x, int64_t xs, int64_t rows, int64_t k, float* out) {
+  const int64_t rest = rows % kPassRows;
+  const int64_t passes = rows / kPassRows + (rest >= 4) + ((rest % 4) >= 2) + (rest % 2);
+  const int64_t steps = (k + 31) / 32, lines = kRows * k / 32;
+  Prefetch pf{reinterpret_cast<const char*>(wg[0] + kRows * k), 0, (lines + passes * steps - 1) / (passes * steps), lines};
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) group_dots_bf16<4>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
-  for (; m + 2 <= rows; m += 2) group_dots_bf16<2>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
-  if (rows - m == 1) group_dots_bf16<1>(wg, x + m * xs, xs, k, out + m * kRows, m == 0);
+  for (; m + kPassRows <= rows; m += kPassRows) group_dots_bf16<kPassRows>(wg, x + m * xs, xs, k, out + m * kRows, pf);
+  for (; m + 4 <= rows; m += 4) group_dots_bf16<4>(wg, x + m * xs, xs, k, out + m * kRows, pf);
+  for (; m + 2 <= rows; m += 2) group_dots_bf16<2>(wg, x + m * xs, xs, k, out + m * kRows, pf);
+  if (rows - m == 1) group_dots_bf16<1>(wg, x + m * xs, xs, k, out + m * kRows, pf);
 }
 #else
 #define KVS_BF16DOT 0

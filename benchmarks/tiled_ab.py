@@ -1,0 +1,115 @@
+"""The tiled GEMM kernel of a git revision against the working tree's, inside one engine,
+interleaved: decode ms per engine step at each batch size.
+
+    python benchmarks/tiled_ab.py                          # HEAD's kernel vs the working tree's
+    python benchmarks/tiled_ab.py --rev HEAD~3 --batch 1,16 --rounds 8
+
+The revision's ``kvserve/native/csrc/tiled_gemm.cpp`` is built under another module name (its own
+build directory in the native cache), and every ``kvserve_tiled`` module of one loaded engine
+(:class:`~kvserve.model.tiled_gemm.TiledLinear`) is switched between the two builds' ``gemm``
+round by round, the order alternating. So both kernels see the same weights, plan, KV and
+sequences, and a drift of a noisy host hits both alike (single decode steps ranged 36-80 ms in
+one process on the session-9 EPYC; the host's speed drifted 1.5x within minutes in session 10).
+Only the roles the plan puts on ``kvserve_tiled`` change; the table says how many modules those are.
+Prints the CPU, a table and writes JSON (default ``benchmarks/results/tiled_ab.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import CACHE, prompt_ids
+
+from kvserve import LLM, SamplingParams
+from kvserve.bench.machine import cpu_info
+from kvserve.native import cache_dir
+from kvserve.native.choices import choices
+
+SOURCE = "kvserve/native/csrc/tiled_gemm.cpp"
+
+
+def build_revision(rev: str):
+    """The kernel as it was at ``rev``, built as its own module (cached by content)."""
+    from torch.utils import cpp_extension
+
+    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True).stdout
+    key = hashlib.sha256(text).hexdigest()[:12]
+    build = cache_dir() / "native" / f"tiled_ab-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / f"tiled_ab_{key}.cpp"
+    src.write_bytes(text)
+    return cpp_extension.load(name=f"tiled_ab_{key}", sources=[str(src)], build_directory=str(build),
+                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=CACHE / "qwen2.5-0.5b")
+    ap.add_argument("--rev", default="HEAD", help="the git revision whose kernel is the baseline")
+    ap.add_argument("--batch", default="1,16", help="sequences decoding together, comma-separated")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="timed engine steps per round and kernel")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "tiled_ab.json")
+    args = ap.parse_args()
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {args.threads}")
+    from kvserve.model.tiled_gemm import TiledLinear, _ext
+
+    kernels = {args.rev: build_revision(args.rev), "working tree": _ext()}
+    if kernels["working tree"] is None:
+        raise SystemExit("the tiled kernel does not build here (no AVX2/FMA/F16C or no compiler)")
+    llm = LLM(args.model, dtype="bfloat16", kv_cache_memory="2GiB", num_threads=args.threads, enable_prefix_caching=False)
+    eng = llm.engine
+    mods = [m for m in eng.runner.model.modules() if isinstance(m, TiledLinear)]
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        rids = [eng.add_request({"prompt_token_ids": prompt_ids(args.context, 100 + i)},
+                                SamplingParams(max_tokens=(args.steps + 1) * args.rounds * 2 + 8, temperature=0, ignore_eos=True)) for i in range(b)]
+        started: set[str] = set()
+        while len(started) < b:
+            started |= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
+        ms: dict[str, list[float]] = {k: [] for k in kernels}
+        for rnd in range(args.rounds):
+            for name in (list(kernels) if rnd % 2 == 0 else list(kernels)[::-1]):
+                for m in mods:
+                    m._gemm = kernels[name].gemm
+                eng.step()  # the switch's first step is not timed
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    eng.step()
+                ms[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+        for rid in rids:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        rows.append({"batch": b, "context": args.context, "median_ms_per_step": med, "runs_ms": ms,
+                     "ratio": med["working tree"] / med[args.rev]})
+    print(f"\n{len(mods)} kvserve_tiled modules in the plan; decode ms per engine step (median of {args.rounds} rounds)")
+    print(f"{'batch':>6} {args.rev:>14} {'working tree':>14} {'ratio':>7}")
+    for r in rows:
+        m = r["median_ms_per_step"]
+        print(f"{r['batch']:>6} {m[args.rev]:>14.1f} {m['working tree']:>14.1f} {r['ratio']:>7.3f}")
+    doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/tiled_ab.py", *sys.argv[1:]]), "rev": args.rev,
+           "threads": args.threads, "tiled_modules": len(mods), "rows": rows,
+           "kernel_choices": [{"role": c.role, "band": c.band, "choice": c.choice} for c in choices()]}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
