@@ -7,11 +7,15 @@ Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), me
 * ``scalar`` / ``tiled`` / ``kernel``: the kernel call alone (``attention_native.run_kernel``, IMPL 1 / 2 /
   0; ``kernel`` is what kvserve runs: the bf16-dot path where the build has AVX512-BF16 and the
   case is bf16 on the bf16 pool, else the tiled one);
-* ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``).
+* ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``);
+* with ``--rev REV``: ``kernel@REV``, the kernel as it was at git revision REV, built beside the
+  working tree's (``benchmarks/revision_build.py``) and timed alternately with ``kernel``, so the
+  two columns share the host's drift (their ratio is the A/B).
 
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py            # ~1 min
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --shapes 16x2048+1
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --heads 8 --kv-heads 2 --head-dim 32  # embedded
+    PYTHONPATH=$PWD python benchmarks/paged_kernel.py --rev HEAD --shapes 16x2048+1,1x2048+1  # A/B
 
 Synthetic K/V (unit normal) in shuffled blocks; timing does not depend on the values. Prints a
 table and writes JSON (default ``benchmarks/results/paged_kernel.json``).
@@ -85,7 +89,20 @@ def case(codec: str, seqs: int, ctx: int, new: int, dtype: torch.dtype) -> dict[
     return {"storage": s, "layer": layer, "meta": meta, "q": q, "kv": kv}
 
 
-def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype) -> dict[str, float]:
+def alternating_us(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median µs of each function, the functions called in turn ``repeats`` times."""
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e6 for k, v in ts.items()}
+
+
+def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple[str, Any] | None = None) -> dict[str, float]:
     seqs, rest = shape.split("x")
     ctx, new = (int(x) for x in rest.split("+"))
     c = case(codec, int(seqs), ctx, new, dtype)
@@ -101,6 +118,11 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype) -> dict[st
             res[name] = median_us(lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
                                   repeats)
         attention_native.IMPL = 0
+        if old is not None:
+            res.update(alternating_us({
+                "kernel": lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
+                f"kernel@{old[0]}": lambda: attention_native.run_kernel(old[1], q, out, plan, src, BS, KVH, D ** -0.5)},
+                2 * repeats + 1))
     tplan = attention.plan_step(meta, layer.shape, q.device)
     res["torch"] = median_us(lambda: attention.attend_written(q, layer, meta, tplan, D ** -0.5, out), repeats)
     c["storage"].end_step()
@@ -116,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=H)
     ap.add_argument("--kv-heads", type=int, default=KVH)
     ap.add_argument("--head-dim", type=int, default=D)
+    ap.add_argument("--rev", help="also time the kernel as it was at this git revision (A/B)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "paged_kernel.json")
     a = ap.parse_args(argv)
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
@@ -124,16 +147,24 @@ def main(argv: list[str] | None = None) -> None:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {torch.get_num_threads()}")
     codecs = [c.strip() for c in a.codecs.split(";") if c.strip()]
+    old = None
+    if a.rev:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from revision_build import build_revision
+
+        old = (a.rev, build_revision(a.rev, "kvserve/native/csrc/paged_attention.cpp"))
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'torch':>9}   (µs; "
+    rev_col = f"  kernel@{a.rev}" if a.rev else ""
+    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'torch':>9}{rev_col}   (µs; "
           f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
         for shape in a.shapes.split(","):
-            r = measure(codec, shape, a.repeats, torch.bfloat16)
+            r = measure(codec, shape, a.repeats, torch.bfloat16, old)
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
-                  f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} {r['torch']:>9.0f}",
+                  f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} {r['torch']:>9.0f}"
+                  + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else ""),
                   flush=True)
     doc = {"cpu": cpu, "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
            "block_size": BS, "dtype": "bfloat16"}, "results": results}

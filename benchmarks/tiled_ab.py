@@ -17,10 +17,8 @@ Prints the CPU, a table and writes JSON (default ``benchmarks/results/tiled_ab.j
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,29 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from revision_build import build_revision
 from throughput import CACHE, prompt_ids
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.machine import cpu_info
-from kvserve.native import cache_dir
 from kvserve.native.choices import choices
 
 SOURCE = "kvserve/native/csrc/tiled_gemm.cpp"
-
-
-def build_revision(rev: str):
-    """The kernel as it was at ``rev``, built as its own module (cached by content)."""
-    from torch.utils import cpp_extension
-
-    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True).stdout
-    key = hashlib.sha256(text).hexdigest()[:12]
-    build = cache_dir() / "native" / f"tiled_ab-{key}"
-    build.mkdir(parents=True, exist_ok=True)
-    src = build / f"tiled_ab_{key}.cpp"
-    src.write_bytes(text)
-    return cpp_extension.load(name=f"tiled_ab_{key}", sources=[str(src)], build_directory=str(build),
-                              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def main() -> None:
@@ -68,7 +51,7 @@ def main() -> None:
     print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {args.threads}")
     from kvserve.model.tiled_gemm import TiledLinear, _ext
 
-    kernels = {args.rev: build_revision(args.rev), "working tree": _ext()}
+    kernels = {args.rev: build_revision(args.rev, SOURCE), "working tree": _ext()}
     if kernels["working tree"] is None:
         raise SystemExit("the tiled kernel does not build here (no AVX2/FMA/F16C or no compiler)")
     llm = LLM(args.model, dtype="bfloat16", kv_cache_memory="2GiB", num_threads=args.threads, enable_prefix_caching=False)

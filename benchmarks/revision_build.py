@@ -1,0 +1,34 @@
+"""A native kernel as it was at a git revision, built as a module of its own, so that a benchmark
+can run it beside the working tree's build in one process (A/B on a noisy host).
+
+The revision's source is written under the native build cache, keyed by its content, and built
+with the flags :mod:`kvserve.native` uses; the module name carries the key, so two revisions (or
+a revision and the working tree) never share a loaded module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+from kvserve.native import cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+
+
+def build_revision(rev: str, source: str) -> ModuleType:
+    """``source`` (a path under the repository, e.g. ``kvserve/native/csrc/tiled_gemm.cpp``) at
+    ``rev``, built and loaded."""
+    from torch.utils import cpp_extension
+
+    text = subprocess.run(["git", "show", f"{rev}:{source}"], cwd=ROOT, check=True, capture_output=True).stdout
+    name = f"{Path(source).stem}_at_{hashlib.sha256(text).hexdigest()[:12]}"
+    build = cache_dir() / "native" / name
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / f"{name}.cpp"
+    src.write_bytes(text)
+    return cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build), extra_cflags=FLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=False)
