@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from engine_ab import alternate, medians
 from revision_build import build_revision
-from throughput import CACHE, prompt_ids
+from throughput import CACHE
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.bench.machine import cpu_info
 from kvserve.native.choices import choices
 
@@ -58,27 +58,16 @@ def main() -> None:
     eng = llm.engine
     mods = [m for m in eng.runner.model.modules() if isinstance(m, TiledLinear)]
     rows = []
+
+    def use(name: str) -> Callable[[], None]:
+        def switch() -> None:
+            for m in mods:
+                m._gemm = kernels[name].gemm
+        return switch
+
     for b in [int(x) for x in args.batch.split(",")]:
-        rids = [eng.add_request({"prompt_token_ids": prompt_ids(args.context, 100 + i)},
-                                SamplingParams(max_tokens=(args.steps + 1) * args.rounds * 2 + 8, temperature=0, ignore_eos=True)) for i in range(b)]
-        started: set[str] = set()
-        while len(started) < b:
-            started |= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
-        ms: dict[str, list[float]] = {k: [] for k in kernels}
-        for rnd in range(args.rounds):
-            for name in (list(kernels) if rnd % 2 == 0 else list(kernels)[::-1]):
-                for m in mods:
-                    m._gemm = kernels[name].gemm
-                eng.step()  # the switch's first step is not timed
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    eng.step()
-                ms[name].append((time.perf_counter() - t0) / args.steps * 1e3)
-        for rid in rids:
-            eng.abort_request(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
-        med = {k: statistics.median(v) for k, v in ms.items()}
+        ms = alternate(eng, b, args.context, {k: use(k) for k in kernels}, args.rounds, args.steps)
+        med = medians(ms)
         rows.append({"batch": b, "context": args.context, "median_ms_per_step": med, "runs_ms": ms,
                      "ratio": med["working tree"] / med[args.rev]})
     print(f"\n{len(mods)} kvserve_tiled modules in the plan; decode ms per engine step (median of {args.rounds} rounds)")

@@ -1,6 +1,6 @@
 """Put a :class:`~kvserve.model.gemm_plan.GemmPlan` into a loaded Llama-family model.
 
-Per role, a plan whose three bands name one path swaps the module for that path's (``native``:
+Per role, a plan whose bands all name one path swaps the module for that path's (``native``:
 the module is left as loaded); bands naming different paths get a
 :class:`~kvserve.model.gemm_paths.BandDispatch` over one module per distinct path. A layer whose
 weights do not fit fp16 keeps its native module (as before). A tied logits projection reads the
@@ -32,18 +32,18 @@ def model_roles(model: nn.Module) -> tuple[RoleShape, ...]:
                        c.num_key_value_heads * c.head_dim, c.vocab_size, c.num_hidden_layers)
 
 
-def _dispatch(bands: tuple[str, str, str], make: Callable[[str], nn.Module]) -> nn.Module:
+def _dispatch(bands: tuple[str, ...], make: Callable[[str], nn.Module]) -> nn.Module:
     names = list(dict.fromkeys(bands))
     mods = [make(p) for p in names]
     if len(mods) == 1:
         return mods[0]
-    return BandDispatch(mods, tuple(names.index(b) for b in bands), bands)  # type: ignore[arg-type]
+    return BandDispatch(mods, tuple(names.index(b) for b in bands), bands)
 
 
-def _linear(bands: tuple[str, str, str], mod: nn.Linear, out_dtype: torch.dtype | None = None) -> nn.Module:
+def _linear(bands: tuple[str, ...], mod: nn.Linear, out_dtype: torch.dtype | None = None) -> nn.Module:
     if not all(path_fits(p, mod.weight) for p in bands):
         return mod
-    if bands == ("native",) * 3:
+    if set(bands) == {"native"}:
         return mod
     return _dispatch(bands, lambda p: NativeLinear(mod.weight, mod.bias, out_dtype) if p == "native"
                      else build_linear(p, mod.weight, mod.bias, out_dtype))
@@ -64,7 +64,7 @@ def apply_plan(model: nn.Module, plan: GemmPlan) -> int:
                 changed += new is not mod
                 setattr(attn, name, new)
         mlp, bands = layer.mlp, plan.paths["mlp"]
-        if isinstance(mlp, MLP) and bands != ("native",) * 3 and all(
+        if isinstance(mlp, MLP) and set(bands) != {"native"} and all(
                 path_fits(p, mlp.gate_up_proj.weight, mlp.down_proj.weight) for p in bands):
             gu, dn = mlp.gate_up_proj.weight, mlp.down_proj.weight
             layer.mlp = _dispatch(bands, lambda p, gu=gu, dn=dn: build_mlp(p, gu, dn))
@@ -75,7 +75,7 @@ def apply_plan(model: nn.Module, plan: GemmPlan) -> int:
         new = _linear(bands, model.lm_head, torch.float32)  # type: ignore[attr-defined]
         changed += new is not model.lm_head  # type: ignore[attr-defined]
         model.lm_head = new
-    elif model.lm_head is None and bands != ("native",) * 3:  # type: ignore[attr-defined]
+    elif model.lm_head is None and set(bands) != {"native"}:  # type: ignore[attr-defined]
         emb = model.model.embed_tokens.weight  # type: ignore[attr-defined]
         if all(path_fits(p, emb) for p in bands):
             model.lm_head = _dispatch(bands, lambda p: NativeLinear(emb, None, torch.float32)

@@ -39,14 +39,18 @@ from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
 from kvserve.native import fused
 
 ROLES = ("qkv", "o", "mlp", "lm_head")
-BANDS = ("rows<=1", "rows<=16", "rows>16")
-BAND_ROWS = (1, 16, 256)
-"""The row count each band is measured at."""
+BANDS = ("rows<=1", "rows<=16", "rows<=64", "rows>64")
+BAND_ROWS = (1, 16, 64, 256)
+"""The row count each band is measured at: one decode, a small batch (or a speculative verify),
+a mid-size batch (17-64 decodes: the tiled kernel's AVX512-BF16 rows beat torch's matmul there on
+a Zen 4 by 1.2-1.5x, which a 16/256 split could not see; band added in session 10), prompts."""
+BAND_LIMITS = (1, 16, 64)
+"""The most rows each band but the last takes."""
 
 
 def band_of(rows: int) -> int:
     """The index into :data:`BANDS` for a call with ``rows`` input rows."""
-    return 0 if rows <= 1 else 1 if rows <= 16 else 2
+    return next((b for b, most in enumerate(BAND_LIMITS) if rows <= most), len(BAND_LIMITS))
 
 
 def candidate_paths(threads: int | None = None) -> tuple[str, ...]:
@@ -141,7 +145,7 @@ class BandDispatch(nn.Module):
     for band ``b`` (see :data:`BANDS`). Invariant: every path computes the same function.
     """
 
-    def __init__(self, paths: list[nn.Module], band_path: tuple[int, int, int], names: tuple[str, str, str]) -> None:
+    def __init__(self, paths: list[nn.Module], band_path: tuple[int, ...], names: tuple[str, ...]) -> None:
         super().__init__()
         self.paths = nn.ModuleList(paths)
         self.band_path = band_path

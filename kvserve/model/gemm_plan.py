@@ -59,7 +59,7 @@ SPLIT_MIN_GAIN = 1.15
 TIE = 1.05
 """Timings this close (ratio) are a tie on a shared machine."""
 HALF_NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
-CACHE_VERSION = 2  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set)
+CACHE_VERSION = 3  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set); 3: the 64-row band
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class GemmPlan:
     """``paths[role]`` = the path of each band (:data:`BANDS` order); ``timings_us[role][band]`` =
     ``{path: us}`` where measured; ``source`` one of forced, default, cached, measured."""
 
-    paths: dict[str, tuple[str, str, str]]
+    paths: dict[str, tuple[str, ...]]
     source: str
     timings_us: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     extra_bytes: int = 0
@@ -95,7 +95,7 @@ def default_path(dtype: torch.dtype) -> str:
 
 
 def uniform(path: str, source: str) -> GemmPlan:
-    return GemmPlan({r: (path, path, path) for r in ROLES}, source)
+    return GemmPlan({r: (path,) * len(BANDS) for r in ROLES}, source)
 
 
 def _fastest_on(band: dict[str, float], storage: str) -> str | None:
@@ -147,8 +147,9 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
     def band_total(plan: GemmPlan, b: int) -> float:
         return sum(counts.get(r, 1) * timings[r][b][plan.paths[r][b]] for r in timings)
 
-    bests = [min(band_total(p, b) for p in plans) for b in range(len(BANDS))]
-    best = min(plans, key=lambda p: max(band_total(p, b) / bests[b] for b in range(len(BANDS))))
+    bands = range(len(next(iter(timings.values()))))  # BANDS, or as many as the timings give (tests)
+    bests = [min(band_total(p, b) for p in plans) for b in bands]
+    best = min(plans, key=lambda p: max(band_total(p, b) / bests[b] for b in bands))
     return GemmPlan(best.paths, source, timings, best.extra_bytes)
 
 
@@ -164,13 +165,13 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
     """One family's plan: each role on its single storage, then the splits the budget allows (for a
     role: every band on its fastest path, or one more storage where it gains; the most gain per
     extra byte first, one option per role)."""
-    paths: dict[str, tuple[str, str, str]] = {}
+    paths: dict[str, tuple[str, ...]] = {}
     split: list[tuple[float, int, str, tuple[str, ...]]] = []
     for role, bands in timings.items():
         storages = list(dict.fromkeys(storage_of(p) for p in bands[0]))
         on = {s: t for s in storages if (t := _on_storage(bands, s)) is not None}
         single = min(on, key=lambda s: _regret_of(bands, on[s]))
-        base: tuple[str, str, str] = on[single]  # type: ignore[assignment]
+        base = on[single]
         paths[role] = base
         options = {tuple(_band_best(b, single) for b in bands)}
         for other in storages:  # one more storage, where it is SPLIT_MIN_GAIN faster
@@ -185,7 +186,7 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
     extra, taken = 0, set()
     for _, cost, role, option in sorted(split):  # the most gain per extra byte first
         if role not in taken and extra + cost <= extra_budget:
-            paths[role], extra = option, extra + cost  # type: ignore[assignment]
+            paths[role], extra = option, extra + cost
             taken.add(role)
     return GemmPlan(paths, "family", {}, extra)
 

@@ -71,10 +71,10 @@ def test_cheapest_splits_are_kept_first() -> None:
 
 @needs_fbgemm
 def test_measured_once_then_cached_and_retuned_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    measure = fake_timings([{"native": 5.0, X: 1.0, "fbgemm_fp16_x2": 2.0}] * 3)
+    measure = fake_timings([{"native": 5.0, X: 1.0, "fbgemm_fp16_x2": 2.0}] * len(BANDS))
     monkeypatch.setattr(gemm_plan, "measure", measure)
     first = plan_for(BIG, torch.bfloat16)
-    assert first.source == "measured" and first.paths["mlp"] == (X, X, X)
+    assert first.source == "measured" and first.paths["mlp"] == (X,) * len(BANDS)
     assert len(list((gemm_plan.cache_dir() / "gemm").glob("*.json"))) == 1
     second = plan_for(BIG, torch.bfloat16)
     assert second.source == "cached" and second.paths == first.paths and len(measure.calls) == 1  # type: ignore[attr-defined]
@@ -88,7 +88,7 @@ def test_measured_once_then_cached_and_retuned_on_request(monkeypatch: pytest.Mo
 
 @needs_fbgemm
 def test_a_corrupt_cache_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    measure = fake_timings([{"native": 1.0, X: 2.0}] * 3)
+    measure = fake_timings([{"native": 1.0, X: 2.0}] * len(BANDS))
     monkeypatch.setattr(gemm_plan, "measure", measure)
     path = gemm_plan.cache_path(BIG, torch.bfloat16)
     path.parent.mkdir(parents=True)
@@ -99,7 +99,7 @@ def test_a_corrupt_cache_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_every_choice_is_recorded_with_its_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", X))
-    monkeypatch.setattr(gemm_plan, "measure", fake_timings([{"native": 1.0, X: 2.0}] * 3))
+    monkeypatch.setattr(gemm_plan, "measure", fake_timings([{"native": 1.0, X: 2.0}] * len(BANDS)))
     plan_for(BIG, torch.bfloat16)
     got = {(c.role, c.band): c for c in choices.choices()}
     assert set(got) == {(f"gemm_{r}", b) for r in ("qkv", "o", "mlp", "lm_head") for b in BANDS}
@@ -116,10 +116,10 @@ def test_tiny_and_fp32_models_take_the_default_without_timing(monkeypatch: pytes
     assert plan_for(BIG, torch.float32) == uniform("native", "default")
     # the default follows the CPU: native where it multiplies bf16 in hardware
     monkeypatch.setattr(gemm_plan, "_cpu", lambda: {"model": "x", "flags": ["avx512f", "amx_bf16"]})
-    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == ("native",) * 3
+    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == ("native",) * len(BANDS)
     monkeypatch.setattr(gemm_plan, "_cpu", lambda: {"model": "x", "flags": ["avx2", "fma"]})
     want = "fbgemm_fp16" if fbgemm_fp16_available() else "native"
-    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == (want,) * 3
+    assert plan_for(tiny, torch.bfloat16).paths["qkv"] == (want,) * len(BANDS)
 
 
 def test_forcing_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,17 +144,27 @@ def test_without_a_fast_half_path_the_model_loads_native(hf_checkpoint: Checkpoi
 
 
 def test_band_of() -> None:
-    assert [band_of(n) for n in (0, 1, 2, 16, 17, 4096)] == [0, 0, 1, 1, 2, 2]
+    assert BANDS == ("rows<=1", "rows<=16", "rows<=64", "rows>64")
+    assert [band_of(n) for n in (0, 1, 2, 16, 17, 64, 65, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_plan_decided_on_fewer_bands_uses_the_bands_it_was_given() -> None:
+    """The decision takes as many bands as the timings have (the recorded machines' timings
+    below are three bands, from before the 64-row band), and ranks families on every one."""
+    four = [{"native": 3.0, X: 1.0}, {"native": 1.0, X: 2.0}, {"native": 1.0, X: 4.0}, {"native": 1.0, X: 8.0}]
+    plan = decide({"qkv": four}, {"qkv": 100}, extra_budget=100, source="measured")
+    assert plan.paths == {"qkv": (X, "native", "native", "native")}
+    assert decide({"qkv": four[:3]}, {"qkv": 100}, 100, "measured").paths == {"qkv": (X, "native", "native")}
 
 
 @needs_fbgemm
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen2-bias-tied"])
 def test_a_split_plan_matches_transformers_in_every_band(case: str, hf_checkpoint: Checkpoint) -> None:
-    """FBGEMM for one row, native for 2-16, sharded FBGEMM above: prefill (20 rows), a batch of
-    4 decodes and single decodes all agree with transformers to bf16 rounding."""
+    """FBGEMM for one row, native for 2-16, sharded FBGEMM above: prefill (20 rows: the 64-row
+    band), a batch of 4 decodes and single decodes all agree with transformers to bf16 rounding."""
     path, hf = hf_checkpoint(case)
     model, config = load_model(path, dtype="bf16", cpu_fp16_gemm=False)
-    split = (X, "native", "fbgemm_fp16_x2")
+    split = (X, "native", "fbgemm_fp16_x2", "fbgemm_fp16_x2")
     plan = GemmPlan({r: split for r in ("qkv", "o", "mlp", "lm_head")}, "forced")
     assert apply_plan(model, plan) == 3 * config.num_hidden_layers + 1
     heads = [m for m in model.modules() if isinstance(m, BandDispatch)]

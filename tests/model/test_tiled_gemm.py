@@ -42,12 +42,12 @@ def test_the_module_reads_the_weight_it_was_given_not_a_copy() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 11, 13, 16, 17, 40, 520])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 11, 13, 16, 17, 40, 64, 65, 520])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (6, 16), (7, 24), (130, 1032)])
 def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
     """Both regimes (<= 16 rows: register dots over 4-row groups, the last one short when N is not
-    a multiple of 4, the rows in passes of 6, 4, 2 and 1 on the AVX512-BF16 path, every mix of
-    which some row count here takes; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
+    a multiple of 4, the rows in passes of 6, 4, 2 and 1 on the AVX512-BF16 path, which takes bf16
+    inputs of up to 64 rows, every mix of which some row count here takes; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
     rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
     every output dtype is that fp32 result rounded once."""
     w = _w(n, k, dtype)
@@ -65,7 +65,7 @@ def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n:
 
 def test_bf16_calls_of_few_rows_use_avx512_bf16_where_the_cpu_has_it() -> None:
     """The build is -march=native: on a CPU with AVX512-BF16 the bf16 x bf16 regime is compiled in
-    (so the cases above ran it for bf16 inputs of up to 16 rows); elsewhere it is not."""
+    (so the cases above ran it for bf16 inputs of up to 64 rows); elsewhere it is not."""
     from kvserve.bench.machine import cpu_info
 
     assert tiled_gemm._ext().bf16_dot() == ("avx512_bf16" in cpu_info()["flags"])  # type: ignore[union-attr]

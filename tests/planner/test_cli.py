@@ -151,10 +151,11 @@ def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.setattr(hardware, "measure_bandwidth", lambda: measured.pop(0))
     monkeypatch.setattr(hardware, "measure_matmul_flops", lambda: 1e11)
     from kvserve.model import gemm_plan
+    from kvserve.model.gemm_paths import BANDS
 
     monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", "fbgemm_fp16_x1"))
     monkeypatch.setattr(gemm_plan, "measure", lambda roles, paths, dtype, timer=None: {
-        r.role: [{"native": 2.0, "fbgemm_fp16_x1": 1.0}] * 3 for r in roles})
+        r.role: [{"native": 2.0, "fbgemm_fp16_x1": 1.0}] * len(BANDS) for r in roles})
     from kvserve.model import attention_choice
 
     monkeypatch.setattr(attention_choice.attention_native, "native_module", lambda: object())
@@ -164,9 +165,9 @@ def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     d = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
     assert d["hardware"]["preset"] == "cpu" and d["hardware"]["bandwidth_bytes_s"] == 20e9
     assert {(k["role"], k["choice"]) for k in d["kernels"]} >= {("gemm_mlp", "fbgemm_fp16_x1")}
-    # 12 GEMM (role, band) + 3 attention bands, all measured; + which path the kernel itself runs
+    # 4 roles x 4 bands of GEMM + 3 attention bands, all measured; + which path the kernel itself runs
     assert {k["source"] for k in d["kernels"] if k["role"] != "attention_native"} == {"measured"}
-    assert len(d["kernels"]) == 16
+    assert len(d["kernels"]) == 4 * len(BANDS) + 3 + 1
     assert {(k["role"], k["band"], k["choice"]) for k in d["kernels"] if k["role"].startswith("attention_")} == {
         ("attention_decode", "all", "native"), ("attention_prefill", "q<=96", "native"),
         ("attention_prefill", "q>96", "torch_sdpa"), ("attention_native", "all", "scalar")}  # a stand-in module

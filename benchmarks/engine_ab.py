@@ -1,0 +1,48 @@
+"""Decode steps of one engine under variants switched in place, rounds alternating: the A/B
+behind ``tiled_ab.py`` (two builds of a kernel) and ``band_ab.py`` (two GEMM plans' bands).
+
+Both variants see the same weights, KV and sequences, and a drift of a noisy host hits both
+alike (the session-10 EPYC's speed moved 1.5x within minutes).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from throughput import prompt_ids
+
+from kvserve import SamplingParams
+
+
+def alternate(eng, batch: int, context: int, variants: dict[str, Callable[[], None]], rounds: int,
+              steps: int) -> dict[str, list[float]]:
+    """ms per engine step under each variant (``variants[name]()`` switches to it): ``batch``
+    sequences of ``context`` prompt tokens, once every one decodes; per round each variant runs
+    one untimed step, then ``steps`` timed ones, the order reversed every other round. The
+    sequences are aborted afterwards, so the engine is empty again."""
+    new = (steps + 1) * rounds * len(variants) + 8
+    rids = [eng.add_request({"prompt_token_ids": prompt_ids(context, 100 + i)},
+                            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)) for i in range(batch)]
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
+    ms: dict[str, list[float]] = {k: [] for k in variants}
+    for rnd in range(rounds):
+        for name in (list(variants) if rnd % 2 == 0 else list(variants)[::-1]):
+            variants[name]()
+            eng.step()  # the switch's first step is not timed
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            ms[name].append((time.perf_counter() - t0) / steps * 1e3)
+    for rid in rids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms
+
+
+def medians(ms: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in ms.items()}
