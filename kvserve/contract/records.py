@@ -53,7 +53,10 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     (outside its window, or evicted by a policy): never written, never read. ``window`` and
     ``sinks``: the request's attention reads keys ``k <= q`` with ``k > q - window`` or
     ``k < sinks`` (``window`` None: every key). ``score_queries``: report, per block, the attention
-    the chunk's last ``score_queries`` queries pay it (``RunnerOutput.block_scores``; 0: none)."""
+    the chunk's last ``score_queries`` queries pay it (``RunnerOutput.block_scores``; 0: none).
+    ``model_drafts``: the last that many ``new_token_ids`` are placeholders (speculative method
+    ``"draft"``) that the runner's draft model replaces with its proposals before the forward;
+    always ``<= num_sample - 1``."""
 
     request_id: str
     start: int
@@ -64,6 +67,7 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     window: int | None = None
     sinks: int = 0
     score_queries: int = 0
+    model_drafts: int = 0
 
     @property
     def end(self) -> int:

@@ -31,7 +31,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.codec_names import kv_lossy
 from kvserve.kv.codec_pairs import CodecPairs
 from kvserve.kv.hashing import model_identity, root_key
-from kvserve.kv.layout import KVCapacity, resolve_kv_dtype
+from kvserve.kv.layout import KVCapacity, model_kv_bytes_per_token, resolve_kv_dtype
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_pins import cache_pins
 from kvserve.kv.press import PressSpec, parse_press
@@ -40,6 +40,7 @@ from kvserve.kv.sessions import Session
 from kvserve.model.loader import load_model_config, load_tokenizer
 from kvserve.parallel import worker_config
 from kvserve.request import Request, RequestOutput, RequestStatus
+from kvserve.runner.draft_runner import DraftSpec, check_draft_model
 from kvserve.runner.process_runner import RunnerSpec, make_runner
 from kvserve.runner.protocol import Runner
 from kvserve.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.max_model_len)
         spec = RunnerSpec(config.model, dtype, str(self.device), self.capacity, self.kv_dtype, config.cache,
                           config.num_threads, config.seed, root, config.attention_backend,
-                          config.tensor_parallel_size)
+                          config.tensor_parallel_size, draft=self._draft_spec())
         self.runner: Runner = make_runner(spec, config.runner)
         self.kv.tiers.index.load_snapshot(self.runner.tier_snapshot())  # e.g. the disk tier after a restart
         restored = attach_session_stores(self.kv.sessions, config.cache)
@@ -133,6 +134,21 @@ class LLMEngine:
                         self.kv_dtype)
             return dataclasses.replace(sched, speculative=SpeculativeConfig())
         return sched
+
+    def _draft_spec(self) -> DraftSpec | None:
+        """The runner's draft model (speculative method ``"draft"``), checked against this model."""
+        spec = self.scheduler.config.speculative
+        if not spec.by_model or spec.draft_model is None:
+            return None
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("speculative method 'draft' does not run under tensor parallelism; "
+                             "use speculative 'ngram' or tensor_parallel_size 1")
+        draft = check_draft_model(self.model_config, self.config.model, spec.draft_model)
+        bpt = model_kv_bytes_per_token(draft)
+        log.info("draft model %s: %d layers; its own KV is %d rows of %d tokens at %d bytes/token (%.1f MiB, "
+                 "outside the KV pool's budget)", spec.draft_model, draft.num_hidden_layers, spec.max_num_seqs,
+                 self.max_model_len, bpt, spec.max_num_seqs * self.max_model_len * bpt / 2**20)
+        return DraftSpec(spec.draft_model, spec.max_num_seqs, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop the runner (a child process for ``runner="process"``)."""

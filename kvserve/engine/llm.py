@@ -75,6 +75,7 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int = SpeculativeConfig.num_speculative_tokens,
         speculative_max_num_seqs: int = SpeculativeConfig.max_num_seqs,
+        draft_model: str | Path | None = None,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -106,8 +107,9 @@ class LLM:
         )
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                speculative=SpeculativeConfig(speculative, num_speculative_tokens,
-                                                              max_num_seqs=speculative_max_num_seqs))
+                                speculative=SpeculativeConfig(
+                                    speculative, num_speculative_tokens, max_num_seqs=speculative_max_num_seqs,
+                                    draft_model=None if draft_model is None else str(draft_model)))
         config = EngineConfig(model=resolve_model_path(model), dtype=dtype, device=device, seed=seed,
                               num_threads=num_threads, cache=cache, scheduler=sched, runner=runner,
                               attention_backend=attention_backend,

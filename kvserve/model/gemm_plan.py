@@ -5,7 +5,8 @@
 1. ``KVSERVE_GEMM=<path>`` (or the loader's ``cpu_fp16_gemm=True/False``): that path everywhere
    (source ``forced``);
 2. models too small to matter (under :data:`TUNE_MIN_ELEMENTS` weight elements, e.g. the tests'
-   tiny models) and fp32 models: a default from the CPU flags, without timing (source ``default``):
+   tiny models; the embedded chat model is above it) and fp32 models: a default from the CPU
+   flags, without timing (source ``default``):
    ``native`` where the CPU multiplies half precision natively (AMX or AVX-512 BF16/FP16), else
    FBGEMM fp16 (fp32 models: always ``native``, packing would round their weights);
 3. a plan cached in ``<cache dir>/gemm/<key>.json``, keyed by CPU model and flags, torch version,
@@ -51,7 +52,12 @@ from kvserve.native import CSRC, cache_dir
 from kvserve.native.choices import KernelChoice, record
 
 log = logging.getLogger("kvserve.gemm")
-TUNE_MIN_ELEMENTS = 32 << 20
+TUNE_MIN_ELEMENTS = 4 << 20
+"""Below this many weight elements a model runs the default path untimed. Session 11 lowered it
+from 32 Mi: the embedded chat model (5.6 M elements) had been left on torch's bf16 matmul, whose
+call costs 23-121 us on its small matrices at one row where FBGEMM's single-thread fp16 GEMM and
+the tiled kernel take 6-43 us; timed, its decode ran 1.9x faster on a Zen 4 EPYC (113 → 214 tok/s),
+for ~9 s of timing once per machine (cached)."""
 EXTRA_BYTES_DEFAULT = 64 << 20
 SPLIT_MIN_GAIN = 1.15
 """A second copy of a role is only worth its memory when some band runs this much faster on it

@@ -7,7 +7,9 @@ equals ``KVCapacity.allocated_bytes`` (checked at start-up), so what the engine 
 holds.
 
 A step (:meth:`ModelRunner.execute`): read the record into the runner's per-request state, run
-the block operations, one forward over every chunk, sample. A verify chunk (``num_sample = k + 1``)
+the block operations, the draft model's proposals where a chunk has placeholders
+(``model_drafts``: :mod:`kvserve.runner.draft_runner`), one forward over every chunk, sample. A
+verify chunk (``num_sample = k + 1``)
 keeps the drafts up to the first one the sampled tokens disagree with; the runner's copy of the
 request's tokens is cut there (the scheduler counts the same: ``Scheduler.update``). If the forward or a sample raises,
 the fault is attributed: each chunk is rerun alone and the ones that still raise are reported in
@@ -34,6 +36,7 @@ from kvserve.model.attention_choice import CHOICES, select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.native.fused import _ext as fused_ops_module
 from kvserve.runner.block_ops import run_block_ops
+from kvserve.runner.draft_runner import DraftRunner
 from kvserve.runner.inputs import ModelInputs, build_inputs
 from kvserve.runner.peers import PeerHub
 from kvserve.runner.sampler import Sampler
@@ -52,7 +55,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, capacity: KVCapacity,
                  kv_dtype: str, device: torch.device, seed: int = 0, cache: CacheConfig | None = None,
                  attention_backend: str = DEFAULT_BACKEND, tokenizer_path: str | None = None,
-                 tiers: TierStack | None = None, root_key: bytes = b"") -> None:
+                 tiers: TierStack | None = None, root_key: bytes = b"", draft: DraftRunner | None = None) -> None:
         self.model = model
         self.config = model_config
         self.capacity = capacity
@@ -74,6 +77,7 @@ class ModelRunner:
         self.loader = TierLoader(tiers) if tiers else None
         self.root_key = root_key  # what block objects sent to and received from peers carry
         self.peers = PeerHub()  # SendBlocks / ReceiveBlocks (its listener starts when asked)
+        self.draft = draft  # speculative method "draft": fills chunks' model_drafts placeholders
         cache = cache or CacheConfig(block_size=capacity.block_size)
         # torch.empty inside: pages are only touched when written, and reads see written slots only.
         self.storage = KVStorage(
@@ -157,6 +161,10 @@ class ModelRunner:
         return result
 
     def _run(self, chunks: Sequence[ScheduledChunk]) -> RunnerOutput:
+        if any(c.model_drafts for c in chunks):
+            if self.draft is None:
+                raise ValueError("a chunk asks for model drafts but this runner has no draft model")
+            self.draft.fill(chunks, self.state.requests)
         hidden, inputs = self._forward(chunks)
         result = RunnerOutput()
         if inputs.meta.block_scores:  # only chunks whose policy asked (ScheduledChunk.score_queries)

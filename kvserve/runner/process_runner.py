@@ -32,6 +32,7 @@ from kvserve.contract import RunnerOutput, SchedulerOutput, wire
 from kvserve.kv.layout import KVCapacity
 from kvserve.kv.tiers.stack import TierStack
 from kvserve.native.choices import choices, record
+from kvserve.runner.draft_runner import DraftSpec
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RunnerSpec:
     tensor_parallel_size: int = 1
     rank: int = 0
     dist_init: str = ""
+    draft: DraftSpec | None = None  # speculative method "draft" (kvserve.runner.draft_runner)
 
 
 def build_tiers(spec: RunnerSpec) -> TierStack:
@@ -88,7 +90,28 @@ def build_inline_runner(spec: RunnerSpec) -> Any:
     model, model_config = load_model(spec.model, dtype=spec.dtype, device=device)
     return ModelRunner(model, model_config, spec.capacity, spec.kv_dtype, device, seed=spec.seed, cache=spec.cache,
                        tokenizer_path=spec.model, tiers=build_tiers(spec) if spec.cache.tiers else None,
-                       attention_backend=spec.attention_backend, root_key=spec.root_key)
+                       attention_backend=spec.attention_backend, root_key=spec.root_key,
+                       draft=build_draft_runner(spec, model_config.vocab_size, device))
+
+
+def build_draft_runner(spec: RunnerSpec, target_vocab: int, device: torch.device) -> Any:
+    """The draft model and its KV rows, in the target's dtype (None without ``spec.draft``)."""
+    if spec.draft is None:
+        return None
+    from kvserve.model.attention_backends import get_backend
+    from kvserve.model.attention_choice import CHOICES, select_backend
+    from kvserve.model.loader import load_model, torch_dtype
+    from kvserve.runner.draft_runner import DraftRunner
+
+    model, config = load_model(spec.draft.model, dtype=spec.dtype, device=device)
+    dtype = torch_dtype(config.dtype)
+    attention = (select_backend(spec.attention_backend, heads=config.num_attention_heads,
+                                kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                block_size=spec.capacity.block_size, dtype=dtype, device=device)
+                 if spec.attention_backend in CHOICES else get_backend(spec.attention_backend))
+    return DraftRunner(model, config, rows=spec.draft.rows, max_len=spec.draft.max_len,
+                       block_size=spec.capacity.block_size, target_vocab=target_vocab, attention=attention,
+                       device=device)
 
 
 def make_runner(spec: RunnerSpec, kind: str) -> Any:

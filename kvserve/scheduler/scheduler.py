@@ -16,7 +16,7 @@ chunk, and lists the requests the runner should forget (finished or preempted). 
 KV manager's seam (``kvserve.kv.manager``), never the pool behind it.
 
 Speculative decoding (``SchedulerConfig.speculative``): a decoding request may carry draft tokens
-from :class:`~kvserve.spec.drafter.NgramDrafter` as extra ``new_token_ids`` of its chunk, with
+from :class:`~kvserve.spec.drafter.Drafter` as extra ``new_token_ids`` of its chunk, with
 ``num_sample = k + 1``; the slots they need are taken only from free blocks (no preemption, no
 session eviction for a draft). ``update`` counts KV up to the last accepted position, tells the
 runner's copy to be that long, and returns the blocks past it (``KVCacheManager.trim``): a
@@ -35,7 +35,7 @@ from kvserve.kv.manager import ComputedBlocks, KVCacheManager
 from kvserve.kv.press import PressSpec
 from kvserve.kv.tier_seam import Loading
 from kvserve.request import Request, RequestStatus
-from kvserve.spec.drafter import NgramDrafter
+from kvserve.spec.drafter import Drafter
 
 
 class Scheduler:
@@ -53,7 +53,7 @@ class Scheduler:
         self._forget: list[str] = []      # finished since the last step: the runner drops them
         self.loading: dict[str, tuple[Request, Loading]] = {}  # KV on its way back from a tier
         self._step_id = 0
-        self.drafter = NgramDrafter(config.speculative) if config.speculative.enabled else None
+        self.drafter = Drafter(config.speculative) if config.speculative.enabled else None
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -184,9 +184,10 @@ class Scheduler:
         start = req.num_computed_tokens
         k = len(drafts or ())
         window, sinks = self.kv.window_of(req)
+        model_drafts = k if self.drafter is not None and self.drafter.config.by_model else 0
         return ScheduledChunk(req.request_id, start, n + k, new, list(self.kv.block_table(req.request_id)),
                               1 + k if start + n == req.num_tokens else 0, window=window, sinks=sinks,
-                              score_queries=self.kv.score_queries(req, start, n))
+                              score_queries=self.kv.score_queries(req, start, n), model_drafts=model_drafts)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self._told.pop(req.request_id, None) is not None:

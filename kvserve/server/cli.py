@@ -25,7 +25,7 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
                         kv_host_memory: str | None = None, kv_disk_dir: str | None = None,
                         kv_disk_size: str | None = None, kv_remote: str | None = None,
                         session_demote_after_s: float | None = None, speculative: str | None = None,
-                        num_speculative_tokens: int | None = None,
+                        num_speculative_tokens: int | None = None, draft_model: str | None = None,
                         attention_backend: str | None = None, kv_quality_budget: str | None = None,
                         kv_calibration: str | None = None,
                         tensor_parallel_size: int | None = None) -> EngineConfig:
@@ -62,7 +62,8 @@ def build_engine_config(model: str | None, config_file: str | None, *, dtype: st
             cache_kw[name] = value
     sched_kw: dict[str, Any] = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    spec_kw = {k: v for k, v in (("method", speculative), ("num_speculative_tokens", num_speculative_tokens))
+    spec_kw = {k: v for k, v in (("method", speculative), ("num_speculative_tokens", num_speculative_tokens),
+                                 ("draft_model", draft_model))
                if v is not None}
     if spec_kw:
         sched_kw["speculative"] = dataclasses.replace(base.scheduler.speculative, **spec_kw)
@@ -164,9 +165,13 @@ def serve(
     tensor_parallel_size: Annotated[int | None, typer.Option(
         "--tensor-parallel-size", help="Split the model over T worker processes (heads, KV heads, MLP).")] = None,
     speculative: Annotated[str | None, typer.Option(
-        "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens).")] = None,
+        "--speculative", help="Speculative decoding: ngram (drafts from the request's and session's own tokens) "
+        "or draft (a small model proposes them: --draft-model).")] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(
         "--num-speculative-tokens", help="Most draft tokens verified per step (default 8).")] = None,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="Draft model for --speculative draft: a checkpoint directory sharing the "
+        "model's tokenizer.")] = None,
     retune_kernels: Annotated[bool, typer.Option(
         "--retune-kernels", help="Measure the GEMM paths again instead of using this machine's cached choice "
         "(also KVSERVE_RETUNE_KERNELS=1).")] = False,
@@ -195,7 +200,7 @@ def serve(
                                max_sessions_per_tenant=max_sessions_per_tenant, runner=runner,
                                kv_host_memory=kv_host_memory, kv_disk_dir=kv_disk_dir, kv_disk_size=kv_disk_size,
                                kv_remote=kv_remote, session_demote_after_s=session_demote_after,
-                               speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                               speculative=speculative, num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,
                                attention_backend=attention_backend,
                                kv_quality_budget=kv_quality_budget, kv_calibration=kv_calibration,
                                tensor_parallel_size=tensor_parallel_size)

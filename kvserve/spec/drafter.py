@@ -1,9 +1,13 @@
 """The scheduler's drafter: which requests get drafts this step, how many, and what they are.
 
-Plain Python (no torch): it lives beside the scheduler. Per request it keeps an
-:class:`~kvserve.spec.ngram.NgramIndex` over the request's tokens, extended as tokens arrive; a
-session turn's prompt already holds the session's whole history (previous prompts and replies),
-and the index of a session's last turn is kept and extended by its next turn instead of rebuilt.
+Plain Python (no torch): it lives beside the scheduler. With ``method="ngram"`` it keeps, per
+request, an :class:`~kvserve.spec.ngram.NgramIndex` over the request's tokens, extended as tokens
+arrive; a session turn's prompt already holds the session's whole history (previous prompts and
+replies), and the index of a session's last turn is kept and extended by its next turn instead
+of rebuilt. With ``method="draft"`` the drafts are :data:`DRAFT_PLACEHOLDER` tokens: the chunk
+says how many (``ScheduledChunk.model_drafts``) and the runner's draft model writes the real ones
+before the forward (:mod:`kvserve.runner.draft_runner`). The scheduler never needs their values:
+verification returns the target's own tokens, and the drafts it kept are among them.
 
 Rules (invariants the scheduler relies on):
 
@@ -34,6 +38,7 @@ from kvserve.request import Request
 from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.ngram import NgramIndex
 
+DRAFT_PLACEHOLDER = -1  # a draft slot the runner's draft model fills (never a real token id)
 _MAX_PAUSE = 16
 _SESSION_INDEXES = 64  # session indexes kept between turns (LRU)
 
@@ -53,13 +58,13 @@ class SpecStats:
 
 @dataclass
 class _Track:
-    index: NgramIndex
+    index: NgramIndex | None  # None: a draft model proposes
     k: int
     pause: int = 0   # steps to skip before drafting again
     misses: int = 0  # verifies in a row that accepted nothing
 
 
-class NgramDrafter:
+class Drafter:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecStats()
@@ -81,6 +86,8 @@ class NgramDrafter:
         if track.pause:
             track.pause -= 1
             return []
+        if track.index is None:
+            return [DRAFT_PLACEHOLDER] * min(limit, track.k)
         track.index.extend(req.token_ids_from(len(track.index)))
         return track.index.propose(min(limit, track.k))
 
@@ -104,7 +111,7 @@ class NgramDrafter:
     def forget(self, req: Request) -> None:
         """``req`` finished: drop its state; a session keeps its index for the next turn."""
         track = self._tracks.pop(req.request_id, None)
-        if track is not None and req.session_id is not None:
+        if track is not None and track.index is not None and req.session_id is not None:
             self._sessions[req.session_id] = track.index
             self._sessions.move_to_end(req.session_id)
             while len(self._sessions) > _SESSION_INDEXES:
@@ -113,7 +120,8 @@ class NgramDrafter:
     def _track(self, req: Request) -> _Track:
         track = self._tracks.get(req.request_id)
         if track is None:
-            index = self._session_index(req) or NgramIndex(self.config.ngram_min, self.config.ngram_max)
+            index = None if self.config.by_model else (
+                self._session_index(req) or NgramIndex(self.config.ngram_min, self.config.ngram_max))
             track = self._tracks[req.request_id] = _Track(index, self.config.num_speculative_tokens)
         return track
 

@@ -122,6 +122,28 @@ def test_tiny_and_fp32_models_take_the_default_without_timing(monkeypatch: pytes
     assert plan_for(tiny, torch.bfloat16).paths["qkv"] == (want,) * len(BANDS)
 
 
+def test_the_embedded_chat_model_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its small matrices are where torch's bf16 matmul costs most per call: it is measured."""
+    from kvserve.assets import default_model_path
+    from kvserve.model.loader import load_model_config
+
+    c = load_model_config(default_model_path())
+    shapes = role_shapes(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim,
+                         c.num_key_value_heads * c.head_dim, c.vocab_size, c.num_hidden_layers)
+    timed: list[tuple[str, ...]] = []
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: ("native", "fbgemm_fp16_x1"))
+    monkeypatch.setattr(gemm_plan, "_read_cache", lambda path: None)
+    monkeypatch.setattr(gemm_plan, "_write_cache", lambda path, timings: None)
+
+    def fake_measure(roles, order, dtype, timer):  # type: ignore[no-untyped-def]
+        timed.append(order)
+        return {r.role: [{p: 1.0 + i for i, p in enumerate(order)} for _ in BANDS] for r in roles}
+
+    monkeypatch.setattr(gemm_plan, "measure", fake_measure)
+    assert plan_for(shapes, torch.bfloat16).source == "measured"
+    assert timed
+
+
 def test_forcing_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_GEMM", "native")
     assert plan_for(BIG, torch.bfloat16) == uniform("native", "forced")

@@ -7,6 +7,8 @@ reads the whole context back *through the block ids* and derives the next token 
 read. Wrong block tables, a shared block overwritten, a stale prefix hit or a wrong ``new_token_ids``
 change the tokens, so comparing against a run alone catches them. A verify chunk
 (``num_sample = k + 1``) is checked the way the model runner checks it, position by position.
+A chunk with ``model_drafts`` placeholders has them filled first by ``draft_rule`` (the draft
+model's stand-in), greedily over the request's real tokens, as the runner's draft model does.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def visible(end: int, window: int | None, sinks: int) -> list[int]:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int, rule: Callable[[list[int]], int] = next_token) -> None:
+    def __init__(self, block_size: int, rule: Callable[[list[int]], int] = next_token,
+                 draft_rule: Callable[[list[int]], int] | None = None) -> None:
         self.block_size = block_size
         self.rule = rule  # the "model": next token of a context
+        self.draft_rule = draft_rule  # the draft model, for chunks with model_drafts
         self.verified: list[tuple[int, int]] = []  # per sampled chunk: (drafts, accepted)
         self.store: dict[int, int] = {}
         self.tokens: dict[str, list[int]] = {}  # what the runner has been told, per request
@@ -67,6 +71,11 @@ class FakeRunner:
             known = self.tokens[c.request_id]
             known.extend(c.new_token_ids)
             assert len(known) >= c.end, f"{c.request_id}: told {len(known)} tokens, asked to compute to {c.end}"
+            if c.model_drafts:
+                assert self.draft_rule is not None and 0 < c.model_drafts < c.num_sample
+                assert known[c.end - c.model_drafts:c.end] == [-1] * c.model_drafts, "placeholders expected"
+                for p in range(c.end - c.model_drafts, c.end):
+                    known[p] = self.draft_rule(known[:p])
             for slot, tok in zip(slots_for(c.block_ids, range(c.start, c.end), bs), known[c.start:c.end]):
                 self.store[slot] = tok
         out = RunnerOutput(step_id=plan.step_id)

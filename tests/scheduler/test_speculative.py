@@ -39,12 +39,12 @@ def assert_hashed_blocks_hold_accepted_tokens(kv: KVCacheManager, runner: FakeRu
 
 
 def run(prompts: list[list[int]], max_tokens: int, rule, spec: SpeculativeConfig | None, num_blocks: int = 64,
-        block_size: int = 4, budget: int = 64, max_seqs: int = 8):
+        block_size: int = 4, budget: int = 64, max_seqs: int = 8, draft_rule=None):
     kv = KVCacheManager(num_blocks, block_size)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              speculative=spec or SpeculativeConfig())
     sched = Scheduler(config, kv, max_model_len=512)
-    runner = FakeRunner(block_size, rule)
+    runner = FakeRunner(block_size, rule, draft_rule)
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add_request(r)
@@ -132,3 +132,25 @@ def test_drafts_never_pass_max_tokens_and_never_preempt():
     for plan in plans:
         for c in plan.chunks:
             assert c.end <= limit[c.request_id] - 1
+
+
+@pytest.mark.parametrize("period", [6, 3], ids=["agrees", "disagrees"])
+def test_model_drafts_are_placeholders_the_runner_fills(period):
+    """Method "draft": the scheduler sends placeholders and their count (``model_drafts``), the
+    runner's draft model fills them; the tokens are plain decoding's, blocks exact, nothing
+    rejected is hashed (``run`` checks both every step)."""
+    rule = copier(6)
+    plain, _, _, _ = run(PROMPTS, 30, rule, None)
+    spec = SpeculativeConfig("draft", num_speculative_tokens=5, draft_model="unused-by-the-scheduler")
+    drafted, sched, runner, plans = run(PROMPTS, 30, rule, spec, draft_rule=copier(period))
+    assert [r.output_token_ids for r in drafted] == [r.output_token_ids for r in plain]
+    verifies = [c for p in plans for c in p.chunks if c.num_sample > 1]
+    assert verifies and all(c.model_drafts == c.num_sample - 1 for c in verifies)
+    assert all(c.new_token_ids[-c.model_drafts:] == [-1] * c.model_drafts for c in verifies)
+    assert all(c.model_drafts == 0 for p in plans for c in p.chunks if c.num_sample <= 1)
+    stats = sched.drafter.stats
+    assert stats.accepted == sum(a for _, a in runner.verified)
+    if period == 6:  # the draft is the model's own rule: every draft is right
+        assert stats.accepted == stats.proposed > 0
+    else:
+        assert stats.accepted < stats.proposed

@@ -139,6 +139,12 @@ def test_speculative_settings_round_trip_the_config_file_and_the_flags(tmp_path,
     bad.write_text('{"model": "x", "scheduler": {"speculative": {"method": "eagle"}}}')
     with pytest.raises(ValueError, match="speculative"):
         build_engine_config(None, str(bad))
+    draft = build_engine_config(str(tiny_model), None, speculative="draft", draft_model=str(tiny_model))
+    assert draft.scheduler.speculative == SpeculativeConfig("draft", draft_model=str(tiny_model))
+    path = write_config_file(tmp_path / "draft.json", draft, DeploymentExtras())
+    assert build_engine_config(None, str(path)).scheduler.speculative == draft.scheduler.speculative
+    with pytest.raises(ValueError, match="needs draft_model"):
+        build_engine_config(str(tiny_model), None, speculative="draft")
 
 
 @pytest.mark.parametrize("kwargs, match", [({"port": 70000}, "port"), ({"api_key": " "}, "api_key"),

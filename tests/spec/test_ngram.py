@@ -7,7 +7,7 @@ import pytest
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.drafter import NgramDrafter
+from kvserve.spec.drafter import Drafter
 from kvserve.spec.ngram import NgramIndex
 
 
@@ -64,7 +64,7 @@ def decoding(tokens: list[int], max_tokens: int, **params) -> Request:
 
 
 def test_drafts_stop_short_of_max_tokens_and_skip_grammars_and_prefills():
-    drafter = NgramDrafter(SpeculativeConfig("ngram", num_speculative_tokens=8))
+    drafter = Drafter(SpeculativeConfig("ngram", num_speculative_tokens=8))
     seq = [1, 2, 3, 4] * 4
     assert len(drafter.propose(decoding(seq, 15), 100)) == 15 - 12 - 1
     assert len(drafter.propose(decoding(seq, 100), 5)) == 5  # the step's token budget
@@ -76,7 +76,7 @@ def test_drafts_stop_short_of_max_tokens_and_skip_grammars_and_prefills():
 
 
 def test_the_draft_length_follows_what_verifies_keep():
-    drafter = NgramDrafter(SpeculativeConfig("ngram", num_speculative_tokens=8))
+    drafter = Drafter(SpeculativeConfig("ngram", num_speculative_tokens=8))
     req = decoding([1, 2, 3, 4] * 4, 100)
     assert len(drafter.propose(req, 100)) == 8
     drafter.verified(req, 8, 0)
