@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per context")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine")
     ap.add_argument("--threads", type=int, default=2,
-                    help="torch threads (the machine's 2 cores; with OMP_WAIT_POLICY=PASSIVE, set by "
-                         "kvserve, OpenMP no longer spins against the GEMM shard threads)")
+                    help="torch threads (the machine's 2 cores)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--attention-backend", default="auto", help="auto, torch_sdpa or native")
     ap.add_argument("--fill", choices=("model", "synthetic"), default="model",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
-# OpenMP threads that spin after each parallel region steal the cores the GEMM shard threads
-# (kvserve.model.cpu_gemm) and other processes need; sleeping workers were as fast or faster in
-# every CPU measurement here. Only takes effect when torch is not imported yet; a user's own
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to the user (OMP_WAIT_POLICY) and otherwise to libgomp's default:
+# workers spin a while after each parallel region, then sleep. Until session 11 importing kvserve
+# set PASSIVE (workers sleep at once); a decode step makes ~170 parallel regions microseconds
+# apart, and on a 2-core VM each wake-up of a halted core cost so much that steps took 1.6-1.9x
+# longer than with the default (benchmarks/omp_wait.py). On an oversubscribed host PASSIVE wins
+# instead (1.4-2.3x there): kvserve.engine.memory.omp_wait_note logs which applies at start-up.
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,7 @@ planner uses, so ``kvserve plan --kv-cache-memory X`` predicts exactly what the 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import psutil
@@ -42,7 +43,22 @@ def set_cpu_threads(num_threads: int | None) -> int:
     """Use one thread per physical core unless told otherwise (SMT siblings slow GEMV down)."""
     n = num_threads or psutil.cpu_count(logical=False) or torch.get_num_threads()
     torch.set_num_threads(n)
+    level, note = omp_wait_note(n, os.environ.get("OMP_WAIT_POLICY"), os.getloadavg()[0], os.cpu_count() or 1)
+    log.log(level, note)
     return n
+
+
+def omp_wait_note(threads: int, policy: str | None, load: float, cpus: int) -> tuple[int, str]:
+    """The start-up line on OpenMP's wait policy: a warning when workers spin (libgomp's default or
+    ACTIVE) on a host already busier than its cores, where PASSIVE is faster (benchmarks/omp_wait.py:
+    with one busy process beside a 2-core decode, spinning made steps 1.4-2.3x longer; on idle cores
+    sleeping made them 1.6-1.9x longer)."""
+    name = (policy or "").strip().upper() or "default (spin, then sleep)"
+    line = f"OpenMP: {threads} threads, wait policy {name}; load average {load:.1f} on {cpus} CPUs"
+    if name != "PASSIVE" and threads > 1 and load > cpus:
+        return logging.WARNING, (line + ": the host is busier than its CPUs, where spinning workers slow "
+                                 "every step; set OMP_WAIT_POLICY=PASSIVE before starting kvserve")
+    return logging.INFO, line
 
 
 def free_memory_bytes(device: torch.device) -> int:
