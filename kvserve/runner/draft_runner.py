@@ -24,8 +24,9 @@ positions ``0 .. len(fed) - 1``. Invariants:
   rejects them; the drafter's policy then pauses the request).
 
 Cost: a fill runs ``k`` draft forwards, all drafted requests batched in each (the first feeds the
-tokens the row lacks: the whole context on a request's first draft, one token after a full
-acceptance, none but the last token otherwise).
+tokens the row lacks: the whole context on a request's first draft, in forwards of at most
+:data:`CATCH_UP` tokens, one token after a full acceptance, none but the last token otherwise).
+A first draft therefore costs the step a draft-model prefill of the request's context.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve")
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+CATCH_UP = 1024
+"""Most tokens one draft forward feeds a row: a request's first draft catches its row up on the
+whole context in slices of this many (the draft's activations stay bounded, as in a chunked prefill)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,12 @@ class DraftRunner:
             # positions written: last - 1 + (drafts fed) <= max_len - 1, drafts fed = want - 1
             wants.append(max(0, min(c.model_drafts, self.max_len - last + 1)))
         drafted: list[list[int]] = [[] for _ in jobs]
+        behind = [i for i, w in enumerate(wants) if w > 0 and len(firsts[i]) > CATCH_UP]
+        while behind:  # a long catch-up in slices: activations stay bounded, as a chunked prefill's
+            self._forward([rows[i] for i in behind], [firsts[i][:CATCH_UP] for i in behind], sample=False)
+            for i in behind:
+                firsts[i] = firsts[i][CATCH_UP:]
+            behind = [i for i in behind if len(firsts[i]) > CATCH_UP]
         feeds = firsts
         for step in range(max(wants)):
             live = [i for i, w in enumerate(wants) if w > step]
@@ -158,15 +168,16 @@ class DraftRunner:
             st.token_ids[last:c.end] = got + pad
             row.used = self._tick
 
-    def _forward(self, rows: list[_Row], feeds: list[list[int]]) -> list[int]:
-        """Feed each row its tokens (appended to ``fed``) and return each row's greedy next token."""
+    def _forward(self, rows: list[_Row], feeds: list[list[int]], sample: bool = True) -> list[int]:
+        """Feed each row its tokens (appended to ``fed``) and return each row's greedy next token
+        (nothing when not ``sample``)."""
         chunks, states = [], {}
         for row, feed in zip(rows, feeds):
             start = len(row.fed)
             row.fed.extend(feed)
             rid = row.owner or ""
             table: list[int | None] = list(range(row.index * self.blocks_per_row, (row.index + 1) * self.blocks_per_row))
-            chunks.append(ScheduledChunk(rid, start, len(feed), [], table, num_sample=1))
+            chunks.append(ScheduledChunk(rid, start, len(feed), [], table, num_sample=int(sample)))
             states[rid] = RequestState(rid, 0, _GREEDY, 0, None, (), token_ids=row.fed)
         self.storage.begin_step(chunks)
         try:
@@ -177,6 +188,8 @@ class DraftRunner:
         finally:
             self.storage.end_step()
         self.forwards += 1
+        if not sample:
+            return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits[:, :self.vocab].argmax(dim=-1).tolist()
 

@@ -119,3 +119,17 @@ def test_a_request_past_the_draft_length_gets_its_last_token_repeated(draft_mode
     got = fill(r, {"a": _state("a", tokens)}, {"a": 4})["a"]
     assert got[2:] == [tokens[-1], tokens[-1]]  # positions MAX_LEN and MAX_LEN + 1 are past its rope
     assert r.forwards == 2
+
+
+def test_a_long_catch_up_is_fed_in_slices_and_drafts_the_same(draft_model, hf_draft, monkeypatch):
+    from kvserve.runner import draft_runner
+
+    monkeypatch.setattr(draft_runner, "CATCH_UP", 3)
+    r = runner(draft_model, rows=2)
+    long, short = list(range(200, 217)), [5, 6]
+    states = {"a": _state("a", long), "b": _state("b", short)}
+    got = fill(r, states, {"a": 2, "b": 2})
+    assert got["a"] == reference_drafts(hf_draft, long, 2)
+    assert got["b"] == reference_drafts(hf_draft, short, 2)
+    # 17 tokens: 5 slices of 3 before the first draft forward feeds the last 2; then one more
+    assert r.forwards == 5 + 2
