@@ -43,7 +43,8 @@ def set_cpu_threads(num_threads: int | None) -> int:
     """Use one thread per physical core unless told otherwise (SMT siblings slow GEMV down)."""
     n = num_threads or psutil.cpu_count(logical=False) or torch.get_num_threads()
     torch.set_num_threads(n)
-    level, note = omp_wait_note(n, os.environ.get("OMP_WAIT_POLICY"), os.getloadavg()[0], os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # not on Windows
+    level, note = omp_wait_note(n, os.environ.get("OMP_WAIT_POLICY"), load, os.cpu_count() or 1)
     log.log(level, note)
     return n
 
