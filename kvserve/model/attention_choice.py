@@ -6,7 +6,7 @@ prefill chunk, on synthetic blocks, and keeps the faster per role and band: ``at
 whose sequences all decode), ``attention_prefill`` ``q<=96`` (steps whose longest chunk has at most
 96 new tokens: a session's next turn over its history) and ``q>96`` (the others). The result is cached as JSON in
 :func:`kvserve.native.cache_dir` (``attention_backend.json``), keyed by CPU model and flags, torch
-version, the kernel's and the torch path's source hash and shape, so a later start reads it instead of timing
+version, OpenMP's wait policy, the kernel's and the torch path's source hash and shape, so a later start reads it instead of timing
 (``KVSERVE_ATTENTION_RETUNE=1`` measures again). Every choice is recorded in
 :mod:`kvserve.native.choices` (``source``: measured, cached, forced or fallback), and where the
 kernel is available, which of its paths the model's dtype and head_dim run on this CPU (role
@@ -61,6 +61,7 @@ def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     code = (native.CSRC / attention_native.SOURCES[0]).read_bytes() + Path(attention.__file__).read_bytes()
     src = hashlib.sha256(code).hexdigest()[:12]
     return (f"{cpu['model']}|{','.join(cpu['flags'])}|torch {torch.__version__}|kernel {src}|"
+            f"omp {native.wait_policy()}|"
             f"h{heads} kvh{kv_heads} d{head_dim} bs{block_size} {str(dtype).removeprefix('torch.')}")
 
 

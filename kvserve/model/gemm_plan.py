@@ -10,7 +10,7 @@
    ``native`` where the CPU multiplies half precision natively (AMX or AVX-512 BF16/FP16), else
    FBGEMM fp16 (fp32 models: always ``native``, packing would round their weights);
 3. a plan cached in ``<cache dir>/gemm/<key>.json``, keyed by CPU model and flags, torch version,
-   thread count, dtype, the role shapes and the tiled kernel's source (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
+   thread count, OpenMP wait policy, dtype, the role shapes and the tiled kernel's source (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
    (``--retune-kernels`` on serve/generate) asks for a new measurement;
 4. otherwise the paths are timed (:mod:`kvserve.model.gemm_tune`) and the result cached (source
    ``measured``).
@@ -48,7 +48,7 @@ import torch
 from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths, storage_of
 from kvserve.model.gemm_tune import RoleShape, Timer, measure
-from kvserve.native import CSRC, cache_dir
+from kvserve.native import CSRC, cache_dir, wait_policy
 from kvserve.native.choices import KernelChoice, record
 
 log = logging.getLogger("kvserve.gemm")
@@ -201,7 +201,7 @@ def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...
     cpu = _cpu()
     kernel = hashlib.sha256((CSRC / "tiled_gemm.cpp").read_bytes()).hexdigest()[:12]  # its timings go stale with it
     text = json.dumps([CACHE_VERSION, cpu["model"], cpu["flags"], torch.__version__, torch.get_num_threads(),
-                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel])
+                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel, wait_policy()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

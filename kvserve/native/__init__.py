@@ -34,6 +34,13 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def wait_policy() -> str:
+    """OpenMP's wait policy this process runs under (``OMP_WAIT_POLICY``, or ``default``): part of
+    every cached timing's key, since it moves multi-threaded calls' cost by up to 2x
+    (docs/kernels.md, "OpenMP's wait policy")."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() or "default"
+
+
 def enabled() -> bool:
     return os.environ.get("KVSERVE_NATIVE", "1").lower() not in ("0", "false", "no", "off")
 

@@ -336,3 +336,18 @@ def test_a_close_call_is_timed_again_alternating_and_a_clear_one_is_not() -> Non
     clear = {"onednn_packed": 10.0, "kvserve_tiled": 10.0 * gemm_tune.REMATCH_WITHIN + 1}
     assert gemm_tune.rematch(clear, build, x, 1.0, time_pass) == clear and built == []
     assert gemm_tune.rematch({"native": 3.0}, build, x, 1.0, time_pass) == {"native": 3.0}
+
+
+def test_cached_timings_are_keyed_by_the_openmp_wait_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan timed under PASSIVE (every call wakes the workers) is not reused under the default
+    (they spin), nor the attention backend's timings: multi-threaded calls cost up to 2x more."""
+    from kvserve.model import attention_choice
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    gemm_default = gemm_plan.cache_path(BIG, torch.bfloat16)
+    attn_default = attention_choice.cache_key(14, 2, 64, 16, torch.bfloat16)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert gemm_plan.cache_path(BIG, torch.bfloat16) != gemm_default
+    assert attention_choice.cache_key(14, 2, 64, 16, torch.bfloat16) != attn_default
+    monkeypatch.setenv("OMP_WAIT_POLICY", " ")
+    assert gemm_plan.cache_path(BIG, torch.bfloat16) == gemm_default
