@@ -24,6 +24,7 @@ from kvserve.kv.layout import (
     window_blocks,
 )
 from kvserve.kv.press import peak_blocks
+from kvserve.native import wait_policy
 
 if TYPE_CHECKING:
     from kvserve.kv.calibration import Calibration
@@ -44,19 +45,20 @@ def set_cpu_threads(num_threads: int | None) -> int:
     n = num_threads or psutil.cpu_count(logical=False) or torch.get_num_threads()
     torch.set_num_threads(n)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # not on Windows
-    level, note = omp_wait_note(n, os.environ.get("OMP_WAIT_POLICY"), load, os.cpu_count() or 1)
+    level, note = omp_wait_note(n, wait_policy(), load, os.cpu_count() or 1)
     log.log(level, note)
     return n
 
 
-def omp_wait_note(threads: int, policy: str | None, load: float, cpus: int) -> tuple[int, str]:
-    """The start-up line on OpenMP's wait policy: a warning when workers spin (libgomp's default or
-    ACTIVE) on a host already busier than its cores, where PASSIVE is faster (benchmarks/omp_wait.py:
-    with one busy process beside a 2-core decode, spinning made steps 1.4-2.3x longer; on idle cores
-    sleeping made them 1.6-1.9x longer)."""
-    name = (policy or "").strip().upper() or "default (spin, then sleep)"
+def omp_wait_note(threads: int, policy: str, load: float, cpus: int) -> tuple[int, str]:
+    """The start-up line on OpenMP's wait policy (``policy`` as :func:`kvserve.native.wait_policy`
+    names it): a warning when workers spin (libgomp's default or ACTIVE) on a host already busier
+    than its cores, where PASSIVE is faster (benchmarks/omp_wait.py: with one busy process beside a
+    2-core decode, spinning made steps 1.4-2.3x longer; on idle cores sleeping made them 1.6-1.9x
+    longer)."""
+    name = "default (spin, then sleep)" if policy == "default" else policy
     line = f"OpenMP: {threads} threads, wait policy {name}; load average {load:.1f} on {cpus} CPUs"
-    if name != "PASSIVE" and threads > 1 and load > cpus:
+    if policy != "PASSIVE" and threads > 1 and load > cpus:
         return logging.WARNING, (line + ": the host is busier than its CPUs, where spinning workers slow "
                                  "every step; set OMP_WAIT_POLICY=PASSIVE before starting kvserve")
     return logging.INFO, line

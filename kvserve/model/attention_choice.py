@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from kvserve import native
+from kvserve.config import ModelConfig
 from kvserve.model import attention, attention_native
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.attention_backends import AttentionBackend, TorchSDPABackend
+from kvserve.model.attention_backends import AttentionBackend, TorchSDPABackend, get_backend
 from kvserve.model.attention_native import NativePagedBackend
 from kvserve.native.choices import KernelChoice, record
 
@@ -111,6 +112,16 @@ def _load(path: os.PathLike[str]) -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def backend_for(requested: str, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                device: torch.device) -> AttentionBackend:
+    """The backend a model runs: :func:`select_backend` for ``auto`` and the forced choices (on
+    the model's attention shape), else the backend registered under ``requested``."""
+    if requested not in CHOICES:
+        return get_backend(requested)
+    return select_backend(requested, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                          head_dim=config.head_dim, block_size=block_size, dtype=dtype, device=device)
 
 
 def select_backend(requested: str, *, heads: int, kv_heads: int, head_dim: int, block_size: int,

@@ -54,10 +54,9 @@ from kvserve.native.choices import KernelChoice, record
 log = logging.getLogger("kvserve.gemm")
 TUNE_MIN_ELEMENTS = 4 << 20
 """Below this many weight elements a model runs the default path untimed. Session 11 lowered it
-from 32 Mi: the embedded chat model (5.6 M elements) had been left on torch's bf16 matmul, whose
-call costs 23-121 us on its small matrices at one row where FBGEMM's single-thread fp16 GEMM and
-the tiled kernel take 6-43 us; timed, its decode ran 1.9x faster on a Zen 4 EPYC (113 → 214 tok/s),
-for ~9 s of timing once per machine (cached)."""
+from 32 Mi: the embedded chat model (5.6 M elements) had been left on torch's bf16 matmul; timed,
+its decode steps took 0.43-0.71x the time on a Zen 4 EPYC (benchmarks/small_model_gemm.py), for a
+few seconds of timing once per machine (cached)."""
 EXTRA_BYTES_DEFAULT = 64 << 20
 SPLIT_MIN_GAIN = 1.15
 """A second copy of a role is only worth its memory when some band runs this much faster on it

@@ -94,8 +94,6 @@ def check_draft_model(target: ModelConfig, target_path: str | Path, draft_path: 
                              f"({len(differ)} tokens differ, e.g. {differ[:3]}); a draft must share the tokenizer")
     else:
         log.warning("draft model %s has no tokenizer files: assuming it shares the model's", root)
-    if draft.vocab_size < min(target.vocab_size, 2):
-        raise ValueError(f"draft_model vocab_size {draft.vocab_size} is too small")
     return draft
 
 

@@ -31,8 +31,8 @@ from kvserve.kv.codec_names import parse_layer_codecs
 from kvserve.kv.layout import KVCapacity, int4_group_size
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers.stack import TierStack
-from kvserve.model.attention_backends import DEFAULT_BACKEND, get_backend
-from kvserve.model.attention_choice import CHOICES, select_backend
+from kvserve.model.attention_backends import DEFAULT_BACKEND
+from kvserve.model.attention_choice import backend_for
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.native.fused import _ext as fused_ops_module
 from kvserve.runner.block_ops import run_block_ops
@@ -62,13 +62,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.state = RunnerState()
-        if attention_backend in CHOICES:  # auto (measured on this machine) or forced
-            self.attention = select_backend(
-                attention_backend, heads=model_config.num_attention_heads, kv_heads=model_config.num_key_value_heads,
-                head_dim=model_config.head_dim, block_size=capacity.block_size,
-                dtype=torch_dtype(model_config.dtype), device=device)
-        else:
-            self.attention = get_backend(attention_backend)
+        # auto (measured on this machine), forced, or a registered backend
+        self.attention = backend_for(attention_backend, model_config, capacity.block_size,
+                                     torch_dtype(model_config.dtype), device)
         if device.type == "cpu":
             fused_ops_module()  # built (or loaded) now, at start-up, not on the first request
         self._tokenizer_path = tokenizer_path  # loaded on the first response_format request

@@ -98,17 +98,12 @@ def build_draft_runner(spec: RunnerSpec, target_vocab: int, device: torch.device
     """The draft model and its KV rows, in the target's dtype (None without ``spec.draft``)."""
     if spec.draft is None:
         return None
-    from kvserve.model.attention_backends import get_backend
-    from kvserve.model.attention_choice import CHOICES, select_backend
+    from kvserve.model.attention_choice import backend_for
     from kvserve.model.loader import load_model, torch_dtype
     from kvserve.runner.draft_runner import DraftRunner
 
     model, config = load_model(spec.draft.model, dtype=spec.dtype, device=device)
-    dtype = torch_dtype(config.dtype)
-    attention = (select_backend(spec.attention_backend, heads=config.num_attention_heads,
-                                kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                block_size=spec.capacity.block_size, dtype=dtype, device=device)
-                 if spec.attention_backend in CHOICES else get_backend(spec.attention_backend))
+    attention = backend_for(spec.attention_backend, config, spec.capacity.block_size, torch_dtype(config.dtype), device)
     return DraftRunner(model, config, rows=spec.draft.rows, max_len=spec.draft.max_len,
                        block_size=spec.capacity.block_size, target_vocab=target_vocab, attention=attention,
                        device=device)
