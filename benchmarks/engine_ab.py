@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from throughput import prompt_ids
 
@@ -46,3 +47,13 @@ def alternate(eng, batch: int, context: int, variants: dict[str, Callable[[], No
 
 def medians(ms: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in ms.items()}
+
+
+def model_switches(eng, models: dict[str, Any]) -> dict[str, Callable[[], None]]:
+    """For :func:`alternate`: one switch per model, each making the engine's runner run that model
+    (copies of one checkpoint loaded differently) from the next step."""
+    def switch(model: Any) -> Callable[[], None]:
+        def run() -> None:
+            eng.runner.model = model
+        return run
+    return {name: switch(m) for name, m in models.items()}

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine_ab import alternate, medians
+from engine_ab import alternate, medians, model_switches
 
 from kvserve import LLM
 from kvserve.assets import default_model_path
@@ -55,15 +54,11 @@ def main() -> None:
     untimed, _ = load_model(a.model, dtype=eng.model_config.dtype, cpu_fp16_gemm=False)
     variants = {"timed plan": timed, "torch bf16 (untimed)": untimed}
 
-    def use(name: str) -> Callable[[], None]:
-        def switch() -> None:
-            eng.runner.model = variants[name]
-        return switch
 
     rows = []
     names = list(variants)
     for b in sizes:
-        ms = alternate(eng, b, a.context, {k: use(k) for k in variants}, a.rounds, a.steps)
+        ms = alternate(eng, b, a.context, model_switches(eng, variants), a.rounds, a.steps)
         med = medians(ms)
         rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms, "ratio": med[names[0]] / med[names[1]]})
     eng.runner.model = timed

@@ -12,6 +12,8 @@ Two measurements, same engine, decode phase only:
   detokenising. Issue 14's target: under 2% of the step.
 * **modules**: time inside each kind of module (forward hooks: the MLPs, qkv/o projections,
   attention, norms, summed over layers; the logits projection), which sees the native kernels;
+  hooks keep the per-layer path (not the native layer loop of kvserve/model/decode_stack.py), so
+  these times include the Python around each module that the split's steps do not pay;
 * **ops**: ``torch.profiler`` over a few decode steps: self CPU time per op per step, top ops
   (it cannot see into the native kernels or FBGEMM's pool threads).
 
@@ -31,6 +33,7 @@ from typing import Any
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.machine import cpu_info
+from kvserve.model import decode_stack
 from kvserve.native.choices import choices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +68,14 @@ def module_times(eng: Any, model: Any, steps: int) -> dict[str, float]:
             handles.append(mod.register_forward_pre_hook(lambda m, i, k=key: starts.__setitem__(k, time.perf_counter())))
             handles.append(mod.register_forward_hook(
                 lambda m, i, o, k=key: acc.__setitem__(k, acc[k] + time.perf_counter() - starts[k])))
+    decode_stack.forget(model)  # hooked modules: the per-layer path (the native loop would skip them)
     try:
         for _ in range(steps):
             eng.step()
     finally:
         for h in handles:
             h.remove()
+        decode_stack.forget(model)
     return {k: v * 1e3 / steps for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
 
 

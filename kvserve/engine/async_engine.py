@@ -9,15 +9,13 @@
     async for out in stream ◄── call_soon_threadsafe ◄─ engine.step() → RequestOutputs
 
 torch releases the GIL inside its kernels, so the event loop keeps serving HTTP while a step runs.
-
-Invariants:
+``start`` lets the calling thread's OpenMP team go first (:mod:`kvserve.native.omp`). Invariants:
   * only the engine thread touches the :class:`LLMEngine` (it is not thread-safe); every other
     caller goes through a command (``add_request``, ``abort``, ``call``, ``snapshot``);
   * a stream ends with exactly one finished output, or raises; closing it early (client gone,
     task cancelled) aborts its request, so the request's blocks come back at the next step;
   * listeners run on the engine thread, after the step that produced the event: keep them short
-    and thread-safe (prometheus-client metrics are).
-"""
+    and thread-safe (prometheus-client metrics are)."""
 
 from __future__ import annotations
 
@@ -43,6 +41,7 @@ from kvserve.engine.async_views import (  # noqa: F401 - re-exported: the server
     take_snapshot,
 )
 from kvserve.engine.engine import LLMEngine, PromptType
+from kvserve.native.omp import release_team
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -180,6 +179,7 @@ class AsyncLLMEngine:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            release_team()  # the loading thread's OpenMP team goes: the engine thread's is the only one
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 

@@ -20,6 +20,7 @@ to float rounding (fp32 accumulation; tests/native/test_paged_native.py).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -31,6 +32,7 @@ from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, as_layer_kv
 from kvserve.kv.quant import Fp8Codec, IdentityCodec, Int4ChannelCodec, Int4TokenCodec, Int8Codec
 from kvserve.model import attention
 from kvserve.model.attention import AttentionMetadata, StepPlan
+from kvserve.native import fused
 
 EXTENSION = "kvserve_paged"
 SOURCES = ["paged_attention.cpp"]
@@ -160,10 +162,17 @@ def _codec_source(cache: CodecLayerKV) -> KVSource | None:
     return KVSource(kr, kp, vr, vp, shadow)
 
 
+_PLAIN_SOURCES: weakref.WeakKeyDictionary[PlainLayerKV, KVSource | None] = weakref.WeakKeyDictionary()
+"""A float pool's layer views never change: their source is built once (a codec pool's depends on
+the pairs in use, so it is built per call)."""
+
+
 def kv_source(cache: LayerKV) -> KVSource | None:
     """The kernel's view of ``cache``, or None when the kernel cannot read it (torch path)."""
     if isinstance(cache, PlainLayerKV):
-        return _plain_source(cache.tensor)
+        if cache not in _PLAIN_SOURCES:
+            _PLAIN_SOURCES[cache] = _plain_source(cache.tensor)
+        return _PLAIN_SOURCES[cache]
     if isinstance(cache, CodecLayerKV):
         return _codec_source(cache)
     return None
@@ -216,6 +225,24 @@ class NativePagedBackend:
             return attention.paged_attention(q, k, v, kv_cache, meta, scale)
         cache = as_layer_kv(kv_cache)
         cache.write(k, v, meta.slot_mapping)
+        return self._attend(q, cache, meta, scale)
+
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: LayerKV,
+                    meta: AttentionMetadata, scale: float, heads: int) -> torch.Tensor | None:
+        """The layer from its projection's output ``qkv [T, heads + 2 * kv_heads, d]``: rope and the
+        K/V write in one native call (:func:`kvserve.native.fused.rope_write`), then :meth:`forward`'s
+        read. Only for a float pool in the model's dtype on a step the kernel plans; None otherwise
+        (the caller runs rope and :meth:`forward` itself)."""
+        if not isinstance(meta.plan, NativePlan) or not isinstance(kv_cache, PlainLayerKV):
+            return None
+        pool = kv_cache.tensor
+        if pool.dtype != qkv.dtype or pool.device.type != "cpu" or self.module is None:
+            return None
+        q = fused.rope_write(qkv, heads, pool.shape[3], cos, sin, pool, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The read half: K/V of this step already written."""
         plan: NativePlan = meta.plan if isinstance(meta.plan, NativePlan) else plan_native(meta)
         mod = self.module
         src = kv_source(cache) if mod is not None and q.device.type == "cpu" else None

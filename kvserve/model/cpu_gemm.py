@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from kvserve.native import fused
+from kvserve.native.omp import single_thread_here
 
 # torch 2.13 marks the FBGEMM fp16 ops deprecated (a once-per-process UserWarning); torch is pinned.
 # A filter for that message only, instead of catch_warnings() per call (not thread-safe, and on
@@ -58,13 +59,15 @@ _pool_workers = 0
 
 def _gemm_pool(workers: int) -> ThreadPoolExecutor:
     """The process-wide pool that runs shards 1..S-1 (grown, never shrunk, on demand; a replaced
-    pool finishes what it was given, then its threads exit)."""
+    pool finishes what it was given, then its threads exit). Its threads never open an OpenMP team
+    (:func:`~kvserve.native.omp.single_thread_here`: a team of their own slowed every other)."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvserve-gemm")
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvserve-gemm",
+                                       initializer=single_thread_here)
             _pool_workers = workers
         return _pool
 

@@ -63,6 +63,13 @@ SPLIT_MIN_GAIN = 1.15
 (smaller gains are within the measurement's noise on a shared machine)."""
 TIE = 1.05
 """Timings this close (ratio) are a tie on a shared machine."""
+STORAGE_TIE = 1.15
+"""A role's storage is the one whose worst band is least slow against each band's fastest; the
+loaded tensor (the checkpoint's own, read by torch's matmul and the tiled kernel) is kept when its
+worst band is within this ratio of that: it costs no repack at load, a tied logits projection
+reads the embedding itself, and on the session-12 Zen 4 EPYC two timings of one build, minutes
+apart, put the 0.5B shape's MLP once on it (worst band 1.05x) and once on oneDNN's copy (loaded
+1.66x at 256 rows against oneDNN's 1.60x at one row): a coin toss that decided every decode step."""
 HALF_NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
 CACHE_VERSION = 3  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set); 3: the 64-row band
 
@@ -175,7 +182,10 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
     for role, bands in timings.items():
         storages = list(dict.fromkeys(storage_of(p) for p in bands[0]))
         on = {s: t for s in storages if (t := _on_storage(bands, s)) is not None}
-        single = min(on, key=lambda s: _regret_of(bands, on[s]))
+        regret = {s: _regret_of(bands, t) for s, t in on.items()}
+        least = min(regret.values())
+        # the loaded tensor wins a near tie (STORAGE_TIE): no repacked copy, and its one-row path
+        single = min(on, key=lambda s: (regret[s] > least * STORAGE_TIE, s != "loaded", regret[s]))
         base = on[single]
         paths[role] = base
         options = {tuple(_band_best(b, single) for b in bands)}

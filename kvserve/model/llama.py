@@ -34,6 +34,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kv.layer_kv import LayerKV
+from kvserve.model import decode_stack
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.model.row_blocks import in_row_blocks
@@ -91,6 +92,11 @@ class Attention(nn.Module):
         """x ``[T, hidden]``; cos/sin ``[T, head_dim]`` -> ``[T, hidden]``. Writes this step's K/V."""
         t, h = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(t, -1, self.head_dim)           # [T, H + 2*KVH, D]
+        fused_qkv = getattr(meta.backend, "forward_qkv", None)       # rope + K/V write + read, fused
+        if fused_qkv is not None and self.q_norm is None:
+            o = fused_qkv(qkv, cos, sin, kv_cache, meta, self.scale, h)
+            if o is not None:
+                return self.o_proj(o.reshape(t, self.q_size))
         qk, v = qkv.split([h + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -187,6 +193,9 @@ class LlamaForCausalLM(nn.Module):
             meta = dataclasses.replace(meta, sliding_window=window)
         h = self.model.embed_tokens(input_ids)                        # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, h.dtype)          # [T, D] each
+        stacked = decode_stack.run_layers(self, h, cos, sin, kv_caches, meta)  # a small step: one native call
+        if stacked is not None:
+            return self.model.norm(stacked)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig, normalize_dtype
+from kvserve.model import huge_pages
 from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding, model_roles
 from kvserve.model.gemm_plan import plan_for
@@ -115,6 +116,13 @@ def _name_list(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, a new buffer on huge pages where it may be (:mod:`kvserve.model.huge_pages`)."""
+    if tensor.dtype == dtype or tensor.device.type != "cpu":
+        return tensor.to(dtype)
+    return huge_pages.empty(tuple(tensor.shape), dtype).copy_(tensor)
+
+
 def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype, device: torch.device,
                      tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """Read, cast, fuse. Fused parameters are assembled as soon as all their parts arrived.
@@ -141,11 +149,12 @@ def _read_state_dict(model: LlamaForCausalLM, files: list[Path], dtype: torch.dt
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {spec.shape}")
         seen.add(name)
         # read into its own buffer (never a view of a mapping of the file: see safetensors_read)
-        pending.setdefault(spec.model_key, []).append((spec.row_start, tensor.to(dtype)))
+        pending.setdefault(spec.model_key, []).append((spec.row_start, _cast(tensor, dtype)))
         parts_left[spec.model_key] -= 1
         if parts_left[spec.model_key] == 0:
             parts = [t for _, t in sorted(pending.pop(spec.model_key), key=lambda p: p[0])]
-            full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            full = parts[0] if len(parts) == 1 else torch.cat(
+                parts, dim=0, out=huge_pages.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype))
             state[spec.model_key] = full.to(device)
     missing = [n for n in layout if n not in seen]
     if missing or unexpected:

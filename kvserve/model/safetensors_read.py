@@ -8,7 +8,7 @@ which is not RSS, and nothing is copied twice). Tensors stored in a dtype this m
 know are read through ``safe_open`` instead (same values).
 
 Invariant: yields ``(name, tensor)`` equal to ``safe_open(file).get_tensor(name)`` for every tensor
-of the file, in file order; each tensor owns its memory.
+of the file, in file order; each tensor owns its memory (on huge pages where it may: :mod:`kvserve.model.huge_pages`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from kvserve.model import huge_pages
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -48,7 +50,7 @@ def read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name, info in entries:
             start, end = info["data_offsets"]  # type: ignore[misc]
             dtype, shape = DTYPES[str(info["dtype"])], tuple(info["shape"])  # type: ignore[arg-type]
-            raw = torch.empty(end - start, dtype=torch.uint8)
+            raw = huge_pages.empty((end - start,), torch.uint8)  # weights a decode step streams
             f.seek(base + start)
             view = memoryview(raw.numpy())
             got = 0

@@ -59,12 +59,15 @@ def _build_key(name: str, paths: list[Path], flags: list[str]) -> str:
     return f"{name}-{h.hexdigest()[:16]}"
 
 
-def load_extension(name: str, sources: list[str], extra_cflags: list[str] | None = None) -> ModuleType | None:
-    """The compiled module ``name`` built from ``sources`` (names under ``csrc/``), or ``None``."""
+def load_extension(name: str, sources: list[str], extra_cflags: list[str] | None = None,
+                   includes: list[str] | None = None) -> ModuleType | None:
+    """The compiled module ``name`` built from ``sources`` (names under ``csrc/``), or ``None``.
+    ``includes``: files under ``csrc/`` the sources ``#include`` (staged beside them and part of the
+    build key, not compiled on their own)."""
     with _lock:
         if name in _built:
             return _built[name]
-        _built[name] = mod = _try_build(name, sources, extra_cflags or [])
+        _built[name] = mod = _try_build(name, sources, extra_cflags or [], includes or [])
         return mod
 
 
@@ -116,7 +119,7 @@ def _wait_for_lock(build: Path) -> None:
         time.sleep(LOCK_POLL_S)
 
 
-def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | None:
+def _try_build(name: str, sources: list[str], extra: list[str], includes: list[str]) -> ModuleType | None:
     if not enabled():
         _why[name] = "KVSERVE_NATIVE=0"
         return None
@@ -130,14 +133,14 @@ def _try_build(name: str, sources: list[str], extra: list[str]) -> ModuleType | 
     except ImportError as e:
         _why[name] = f"cannot build C++ extensions: {e}"
         return None
-    paths = [CSRC / s for s in sources]
+    paths = [CSRC / s for s in [*sources, *includes]]
     flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *extra]
     key = _build_key(name, paths, flags)
     build = cache_dir() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
     _wait_for_lock(build)
     try:
-        mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in _staged(paths, build)],
+        mod = cpp_extension.load(name=name.replace("-", "_"), sources=[str(p) for p in _staged(paths, build)[:len(sources)]],
                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                  build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"

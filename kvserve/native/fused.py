@@ -1,4 +1,5 @@
-"""Fused small ops of the decoder (RMSNorm, residual add + RMSNorm, rope, SiLU·mul), native or torch.
+"""Fused small ops of the decoder (RMSNorm, residual add + RMSNorm, rope, rope + KV write, SiLU·mul),
+native or torch.
 
 Each op has a torch reference here (``*_reference``: exactly the ops the model ran before) and a
 C++ kernel (``csrc/fused_ops.cpp``, built on first use by :func:`kvserve.native.load_extension`)
@@ -85,6 +86,33 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             or cos.dtype != x.dtype or sin.dtype != x.dtype):
         return rotary_reference(x, cos, sin)
     return ext.rotary(x, cos, sin)  # type: ignore[no-any-return]
+
+
+def rope_write_reference(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """What the attention layer did op by op: rotate q and k, write k and v into the float pool's
+    layer tensor ``cache [2, blocks, block_size, kv_heads, d]`` at ``slots``; returns q."""
+    qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
+    qk = rotary(qk, cos, sin)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+    return q
+
+
+def rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+               cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """An attention layer's prologue in one call: ``qkv [T, heads + 2 * kv_heads, d]`` (the
+    projection's output) -> the rotated queries ``[T, heads, d]``, with the rotated keys and the
+    values written into ``cache`` (a float pool's layer tensor, qkv's dtype) at ``slots``. Bit-equal
+    to :func:`rope_write_reference` (the same roundings)."""
+    ext = _native(qkv, cos, sin, cache)
+    if (ext is None or qkv.dim() != 3 or qkv.stride(-1) != 1 or qkv.stride(1) != qkv.shape[2]
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype
+            or cache.dtype != qkv.dtype or not cache.is_contiguous() or slots.dtype != torch.int64):
+        return rope_write_reference(qkv, heads, kv_heads, cos, sin, cache, slots)
+    return ext.rope_write(qkv, heads, kv_heads, cos, sin, cache, slots.contiguous())  # type: ignore[no-any-return]
 
 
 def silu_mul_reference(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from kvserve.contract.records import TierEvent
 from kvserve.kv.block_io import import_block
 from kvserve.kv.storage import KVStorage
 from kvserve.kv.tiers.stack import TierStack
+from kvserve.native.omp import single_thread_here
 
 log = logging.getLogger("kvserve")
 LOCAL_TIERS = ("host", "disk")  # reads bounded by memory or a local file: safe to run on the step's thread
@@ -42,7 +43,8 @@ class _Pending:
 class TierLoader:
     def __init__(self, tiers: TierStack) -> None:
         self.tiers = tiers
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load",
+                                        initializer=single_thread_here)  # no OpenMP team of its own
         self._pending: list[_Pending] = []
 
     def __len__(self) -> int:

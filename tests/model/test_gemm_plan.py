@@ -16,7 +16,7 @@ from kvserve.model import gemm_plan
 from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
 from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, NativeMLP, band_of
-from kvserve.model.gemm_plan import GemmPlan, decide, plan_for, uniform
+from kvserve.model.gemm_plan import STORAGE_TIE, GemmPlan, decide, plan_for, uniform
 from kvserve.model.gemm_tune import MIN_DECODE_WORKING_SET, RoleShape, decode_working_set, role_shapes
 from kvserve.model.loader import load_model
 from kvserve.model.row_blocks import ROW_BLOCK
@@ -228,6 +228,20 @@ def test_a_storage_is_judged_by_its_best_path_in_each_band() -> None:
     # with room for oneDNN's copy too, its 16-row band (1.19x faster) is worth it
     plan = decide({"mlp": mlp}, {"mlp": 598 << 20}, 1 << 30, "measured")
     assert plan.paths["mlp"] == (tiled, onednn, "native") and plan.extra_bytes == 598 << 20
+
+
+def test_the_loaded_tensor_wins_a_near_tie_between_storages() -> None:
+    """Session 12's Zen 4 MLP timings (µs, bands 1/16/64/256 rows): oneDNN's copy is worst at one
+    row (1.60x), the loaded tensor at 256 (1.66x). Within STORAGE_TIE of each other, the loaded
+    tensor is kept; past it, the less slow storage still wins."""
+    tiled, onednn = "kvserve_tiled", "onednn_packed"
+    mlp = [{"native": 3653.0, tiled: 1283.0, onednn: 2055.0}, {"native": 3998.0, tiled: 2361.0, onednn: 2689.0},
+           {"native": 7997.0, tiled: 7766.0, onednn: 6771.0}, {"native": 43992.0, tiled: 65911.0, onednn: 26541.0}]
+    plan = decide({"mlp": mlp}, {"mlp": 598 << 20}, 0, "measured")
+    assert plan.paths["mlp"] == (tiled, tiled, tiled, "native")
+    far = [dict(b) for b in mlp]
+    far[3]["native"] = 26541.0 * 1.60 * STORAGE_TIE * 1.05  # loaded's worst past the tie
+    assert decide({"mlp": far}, {"mlp": 598 << 20}, 0, "measured").paths["mlp"] == (onednn,) * 4
 
 
 def test_a_split_may_add_one_storage_where_all_bands_best_would_not_fit() -> None:

@@ -149,3 +149,27 @@ def test_int8_write_declines_where_it_cannot_run(monkeypatch) -> None:  # type: 
     assert not fused.int8_write(x, views, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 0]))
     monkeypatch.setattr(fused, "_ext", lambda: None)  # KVSERVE_NATIVE=0, no compiler, a failed build
     assert not fused.int8_write(x, views, torch.tensor([0, 1]), torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_rope_write_equals_rotary_then_index_copy(ext, dtype: torch.dtype, tokens: int) -> None:
+    """The fused prologue returns the reference's queries and leaves the pool exactly as the
+    reference's rotary + index_copy_ leave it (untouched slots included), bit for bit."""
+    heads, kv_heads, d, blocks, bs = 6, 2, 16, 13, 4
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, d, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (tokens,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    pool = torch.randn(2, blocks, bs, kv_heads, d, generator=g).to(dtype)
+    want_pool = pool.clone()
+    want_q = fused.rope_write_reference(qkv, heads, kv_heads, cos, sin, want_pool, slots)
+    got_q = fused.rope_write(qkv, heads, kv_heads, cos, sin, pool, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(pool, want_pool)
+    bad = torch.tensor([blocks * bs] + [0] * (tokens - 1))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.rope_write(qkv, heads, kv_heads, cos, sin, pool, bad)

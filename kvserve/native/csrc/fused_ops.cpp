@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -83,12 +84,22 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
 }
 
 // x * cos + rotate_half(x) * sin, x [T, heads, d] (last dim contiguous), cos/sin [T, d].
+// One head's row rotated: o = x * c + rotate_half(x) * s, each product rounded to T, then the sum.
+template <typename T>
+inline void rotate_row(const T* xr, const T* c, const T* s, T* o, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < d; ++j) {
+    const float rot = j < half ? -f(xr[j + half]) : f(xr[j - half]);
+    o[j] = static_cast<T>(rnd<T>(f(xr[j]) * f(c[j])) + rnd<T>(rot * f(s[j])));
+  }
+}
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, d] with a contiguous last dim");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
               cos.size(1) == x.size(2) && sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type(), "cos/sin must be [T, d] contiguous in x's dtype");
-  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
   auto out = at::empty({t, heads, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
@@ -102,13 +113,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       for (int64_t k = b; k < e; ++k) {
         const int64_t i = k / heads, h = k % heads;
         const T* xr = xp + i * s0 + h * s1;
-        const T* c = cp + i * d;
-        const T* s = sp + i * d;
-        T* o = op + k * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const float rot = j < half ? -f(xr[j + half]) : f(xr[j - half]);
-          o[j] = static_cast<T>(rnd<T>(f(xr[j]) * f(c[j])) + rnd<T>(rot * f(s[j])));
-        }
+        rotate_row<T>(xr, cp + i * d, sp + i * d, op + k * d, d);
       }
     });
   });
@@ -268,10 +273,60 @@ void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at:
   });
 }
 
+// An attention layer's prologue in one call: qkv [T, heads + 2 * kv_heads, d] (the projection's
+// output; each token's row contiguous), cos/sin [T, d], the float KV pool's layer tensor
+// cache [2, blocks, block_size, kv_heads, d] (contiguous, qkv's dtype), slots [T] int64. Returns
+// the rotated queries [T, heads, d]; the rotated keys and the values are written at their slots.
+// Equal to rotary() on q and k, then index_copy_ of k and v into the flattened pool.
+at::Tensor rope_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == heads + 2 * kv_heads && qkv.stride(2) == 1 &&
+              qkv.stride(1) == qkv.size(2), "qkv must be [T, heads + 2 * kv_heads, d], each row contiguous");
+  const int64_t t = qkv.size(0), d = qkv.size(2);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == t && cos.size(1) == d &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, d] contiguous in qkv's dtype");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads && cache.size(4) == d &&
+              cache.is_contiguous() && cache.scalar_type() == qkv.scalar_type(),
+              "cache must be a contiguous [2, blocks, block_size, kv_heads, d] tensor in qkv's dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == t && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be int64 [T]");
+  const int64_t n_slots = cache.size(1) * cache.size(2);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < n_slots, "slot out of range");
+  auto q = at::empty({t, heads, d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
+    using T = scalar_t;
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* kp = cache.data_ptr<T>();
+    T* vp = kp + n_slots * kv_heads * d;
+    const int64_t s0 = qkv.stride(0), rows = heads + kv_heads;
+    at::parallel_for(0, t, kRowGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const T* xr = xp + i * s0;
+        const T* c = cp + i * d;
+        const T* s = sp + i * d;
+        for (int64_t h = 0; h < heads; ++h) rotate_row<T>(xr + h * d, c, s, qp + (i * heads + h) * d, d);
+        T* kslot = kp + sl[i] * kv_heads * d;
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_row<T>(xr + (heads + h) * d, c, s, kslot + h * d, d);
+        std::memcpy(vp + sl[i] * kv_heads * d, xr + rows * d, kv_heads * d * sizeof(T));
+      }
+    });
+  });
+  return q;
+}
+
+#ifndef KVS_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write", &rope_write, "rotary on q and k, k and v written into the float pool at their slots");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");
   m.def("add_rms_norm", &add_rms_norm, "(weight * rms_norm(x + residual), x + residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, rounded as the torch ops round");
   m.def("int8_write", &int8_write, "int8 KV encode (Int8Codec) and scatter into its field views");
 }
+#endif

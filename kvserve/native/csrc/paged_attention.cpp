@@ -1060,9 +1060,11 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
 #undef KVSERVE_ARGS
 }
 
+#ifndef KVS_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (decode and prefill chunks)");
   m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
   m.def("bf16dot_available", &bf16dot_available,
         "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16, int8 or fp8 pool)");
 }
+#endif
