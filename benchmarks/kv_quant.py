@@ -10,7 +10,9 @@ order rotates each round so background load hits all codecs alike). Reported per
 * ``step_ms``: median wall time of one decode step (the whole model, logits included);
 * ``ms_per_token``: ``step_ms / batch``;
 * ``attn_ms``: median time of layer 0's paged attention in such a step (write + gather/decode +
-  SDPA), isolating the KV read path the codec changes;
+  SDPA), isolating the KV read path the codec changes; NaN where there was no such call to time
+  (since session 12 a small step runs every layer in one native call, kvserve/model/decode_stack.py,
+  and a float pool's layer goes through the fused prologue, ``forward_qkv``);
 * ratios of each against bf16 at the same context;
 * ``bytes_per_token`` and ``tokens_per_gib`` (``2^30 // bytes_per_token``), and their ratio to bf16.
 
@@ -221,10 +223,12 @@ def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, step
                     attn_t[c].extend(at.times)
             for c in names:
                 step = statistics.median(step_t[c]) * 1e3
+                # no layer-0 attention call to time when the native layer loop ran the step
+                attn = statistics.median(attn_t[c]) * 1e3 if attn_t[c] else float("nan")
                 results[c]["contexts"][str(ctx)] = {  # type: ignore[index]
-                    "step_ms": step, "ms_per_token": step / batch, "attn_ms": statistics.median(attn_t[c]) * 1e3}
-                print(f"  {c:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) "
-                      f"{statistics.median(attn_t[c]) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+                    "step_ms": step, "ms_per_token": step / batch, "attn_ms": attn}
+                print(f"  {c:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) {attn:.2f} ms", file=sys.stderr,
+                      flush=True)
     finally:
         for d in drivers.values():
             d.close()

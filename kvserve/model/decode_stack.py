@@ -15,7 +15,9 @@ per-layer path otherwise (:func:`run_layers` returns None):
   the MLP as :class:`~kvserve.model.tiled_gemm.TiledMLP`, with no forward hooks on any module
   (looked at once per model and band: :func:`forget` makes it look again);
 * attention on the native backend's plan with no sequence on the torch path (sinks, dropped
-  blocks, scores), every layer's KV a float pool in the model's dtype;
+  blocks, scores), every layer's KV a float pool in the model's dtype (written natively with
+  rope, :func:`kvserve.native.fused.rope_write`) or a codec pool the kernel reads in one codec
+  pair (int8, fp8, int4: rope natively, then the pool's own ``write`` called back per layer);
 * the fused ops and the stack built (``KVSERVE_NATIVE=0`` or a failed build: never), and not
   switched off by ``KVSERVE_DECODE_STACK=0``.
 
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvserve.kv.layer_kv import LayerKV, PlainLayerKV
+from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV
 from kvserve.model import attention_native
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gemm_paths import BandDispatch, band_of
@@ -129,14 +131,37 @@ def run_layers(model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if (t > MAX_ROWS or h.device.type != "cpu" or not enabled() or not isinstance(plan, attention_native.NativePlan)
             or plan.kept or not plan.seqs or h.dtype not in _FLOAT_KIND):
         return None
-    if not all(isinstance(c, PlainLayerKV) and c.tensor.dtype == h.dtype for c in kv_caches):
+    layout = _kv_layout(list(kv_caches), h, meta)
+    if layout is None:
         return None
     spec = _spec(model, band_of(t))
     mod = _ext() if spec is not None else None
     if spec is None or mod is None or fused._ext() is None:
         return None
-    pools = [c.tensor for c in kv_caches]  # type: ignore[union-attr]
+    pools, write, sources = layout
     return mod.run_layers(h.contiguous(), cos, sin, spec.weights, pools, meta.slot_mapping, plan.q_start, plan.q_len,
                           plan.seq_len, plan.window, plan.tables, spec.scale, spec.heads, spec.kv_heads, spec.inter,
                           spec.eps, attention_native.Q_TILE, attention_native.IMPL, fused.SILU_NATIVE_ROWS,
-                          _FLOAT_KIND[h.dtype])  # type: ignore[no-any-return]
+                          _FLOAT_KIND[h.dtype], write, sources)  # type: ignore[no-any-return]
+
+
+def _kv_layout(caches: list[LayerKV | torch.Tensor], h: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[list[torch.Tensor], Any, list[tuple[Any, ...]]] | None:
+    """How the loop reaches each layer's KV: float pools in the model dtype (written natively), or
+    codec pools the kernel reads (written by the pool's own ``write``, called back per layer, as
+    the per-layer path does); None for anything else (mixed codec pairs, other kinds)."""
+    if all(isinstance(c, PlainLayerKV) and c.tensor.dtype == h.dtype for c in caches):
+        return [c.tensor for c in caches], None, []  # type: ignore[union-attr]
+    if not all(isinstance(c, CodecLayerKV) for c in caches):
+        return None
+    srcs = [attention_native.kv_source(c) for c in caches]  # type: ignore[arg-type]
+    if any(src is None for src in srcs):
+        return None
+    shape = caches[0].shape
+    sizes = h.new_empty((2, 0, shape[2], shape[3], shape[4]))  # the loop reads only its sizes
+
+    def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        caches[layer].write(k, v, meta.slot_mapping)  # type: ignore[union-attr]
+
+    return ([sizes] * len(caches), write,
+            [(src.k_base, src.k_params, src.v_base, src.v_params, *src.shadow) for src in srcs])  # type: ignore[union-attr]

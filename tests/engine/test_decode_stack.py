@@ -59,10 +59,10 @@ def stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return ran
 
 
-def generate(path: Path, prompts: list[list[int]], **kw: Any) -> list[Any]:
+def generate(path: Path, prompts: list[list[int]], kv_press: str | None = None, **kw: Any) -> list[Any]:
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False, num_threads=2, **kw)
     sp = SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, kv_press=kv_press)
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "llama-mqa-bias", "qwen2-bias-tied", "mistral-window"])
@@ -85,17 +85,34 @@ def test_the_stack_is_bit_equal_to_the_per_layer_path(case: str, checkpoint: Che
 
 def test_it_stands_aside_where_a_layer_runs_something_else(checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch,
                                                            stack_calls: list[int]) -> None:
-    """Per-head q/k norms (Qwen3), projections on torch's matmul, a codec KV pool: per layer."""
+    """Per-head q/k norms (Qwen3), projections on torch's matmul, sinks (the torch path): per layer."""
     monkeypatch.setenv("KVSERVE_GEMM", "kvserve_tiled")
     generate(checkpoint("qwen3-qknorm"), [random_prompt(9)])
     path = checkpoint("llama-gqa")
     monkeypatch.setenv("KVSERVE_GEMM", "native")
     generate(path, [random_prompt(9)])
     monkeypatch.setenv("KVSERVE_GEMM", "kvserve_tiled")
-    generate(path, [random_prompt(9)], kv_cache_dtype="int8")
+    generate(path, [random_prompt(9)], kv_press="sinks:4,8")  # sinks: attention on the torch path
     assert stack_calls == []
-    generate(path, [random_prompt(9)])  # and the same model with a float pool: stacked
+    generate(path, [random_prompt(9)])  # and the same model otherwise: stacked
     assert stack_calls
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_codec_pools_are_bit_equal_too(codec: str, checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                       stack_calls: list[int]) -> None:
+    """A codec pool: rope natively, the pool's own write called back per layer, the kernel reading
+    the codec; the same log-probabilities as the per-layer path."""
+    path = checkpoint("qwen2-bias-tied")
+    monkeypatch.setenv("KVSERVE_GEMM", "kvserve_tiled")
+    prompts = [random_prompt(n, seed=n) for n in (5, 40)]
+    stacked = generate(path, prompts, kv_cache_dtype=codec)
+    assert 2 in stack_calls
+    monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
+    per_layer = generate(path, prompts, kv_cache_dtype=codec)
+    for a, b in zip(stacked, per_layer):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_a_module_hook_sees_every_layer(checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch,

@@ -52,12 +52,19 @@ constexpr int64_t kPerLayer = 8;  // in_norm, qkv, qkv bias, o, o bias, post_nor
 // empty); pools: one float pool layer tensor [2, blocks, block_size, kv_heads, d] per layer;
 // slots [T]; the attention plan as paged_attention() takes it (k/v params from the pool);
 // silu_rows: up to how many rows the fused SiLU·mul runs (fused.SILU_NATIVE_ROWS).
+// A codec pool's layer (codec_write not None): rope as rotary() on q and k, then
+// codec_write(layer, k, v) (the pool's own write, in Python), then attention over sources[layer]:
+// (k_base, k_params, v_base, v_params, shadow, has_shadow, shadow_slot, shadow_rows) as
+// paged_attention() takes them. pools then only give each layer's block size and head_dim.
 at::Tensor run_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& w,
                       const std::vector<at::Tensor>& pools, const at::Tensor& slots, const at::Tensor& q_start,
                       const at::Tensor& q_len, const at::Tensor& seq_len, const at::Tensor& window,
                       const at::Tensor& tables, double scale, int64_t heads, int64_t kv_heads, int64_t inter,
-                      double eps, int64_t q_tile, int64_t impl, int64_t silu_rows, int64_t float_kind) {
+                      double eps, int64_t q_tile, int64_t impl, int64_t silu_rows, int64_t float_kind,
+                      const py::object& codec_write, const py::list& sources) {
   const int64_t layers = static_cast<int64_t>(pools.size());
+  const bool codec = !codec_write.is_none();
+  TORCH_CHECK(!codec || static_cast<int64_t>(sources.size()) == layers, "one KV source per layer");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == kPerLayer * layers, "expected ", kPerLayer, " weights per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [T, hidden]");
   const int64_t t = h.size(0);
@@ -68,15 +75,28 @@ at::Tensor run_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* lw = w.data() + l * kPerLayer;
     const at::Tensor& pool = pools[l];
-    const int64_t d = pool.size(4);
+    const int64_t d = pool.size(4);  // a codec layer's pool argument: an empty [2, 1, block_size, kv_heads, d]
     at::Tensor x = kfused::rms_norm(h, lw[0], eps);
     at::Tensor qkv = kgemm::gemm(x, lw[1], lw[2], out_code).view({t, heads + 2 * kv_heads, d});
-    at::Tensor q = kfused::rope_write(qkv, heads, kv_heads, cos, sin, const_cast<at::Tensor&>(pool), slots);
-    at::Tensor o = at::empty_like(q);
-    const int64_t block_bytes = pool[0][0].numel() * pool.element_size();
-    std::vector<int64_t> params{float_kind, block_bytes, 0, 0, 0, 1};
-    kpaged::paged_attention(q, o, q_start, q_len, seq_len, window, tables, scale, pool.size(2), kv_heads, pool[0],
-                            params, pool[1], params, no_shadow, no_flags, no_index, no_index, q_tile, impl);
+    at::Tensor q, o;
+    if (codec) {
+      at::Tensor qk = kfused::rotary(qkv.slice(1, 0, heads + kv_heads), cos, sin);
+      codec_write(l, qk.slice(1, heads), qkv.slice(1, heads + kv_heads));
+      q = qk.slice(1, 0, heads).contiguous();
+      o = at::empty_like(q);
+      const py::tuple src = sources[l].cast<py::tuple>();
+      kpaged::paged_attention(q, o, q_start, q_len, seq_len, window, tables, scale, pool.size(2), kv_heads,
+                              src[0].cast<at::Tensor>(), src[1].cast<std::vector<int64_t>>(), src[2].cast<at::Tensor>(),
+                              src[3].cast<std::vector<int64_t>>(), src[4].cast<at::Tensor>(), src[5].cast<at::Tensor>(),
+                              src[6].cast<at::Tensor>(), src[7].cast<at::Tensor>(), q_tile, impl);
+    } else {
+      q = kfused::rope_write(qkv, heads, kv_heads, cos, sin, const_cast<at::Tensor&>(pool), slots);
+      o = at::empty_like(q);
+      const int64_t block_bytes = pool[0][0].numel() * pool.element_size();
+      std::vector<int64_t> params{float_kind, block_bytes, 0, 0, 0, 1};
+      kpaged::paged_attention(q, o, q_start, q_len, seq_len, window, tables, scale, pool.size(2), kv_heads, pool[0],
+                              params, pool[1], params, no_shadow, no_flags, no_index, no_index, q_tile, impl);
+    }
     at::Tensor a = kgemm::gemm(o.view({t, heads * d}), lw[3], lw[4], out_code);
     std::vector<at::Tensor> nh = kfused::add_rms_norm(a, h, lw[5], eps);
     at::Tensor g = kgemm::gemm(nh[0], lw[6], none, out_code);
