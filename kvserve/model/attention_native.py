@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kvserve import native
 from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, as_layer_kv
@@ -88,22 +89,25 @@ class NativePlan:
 
 
 def plan_native(meta: AttentionMetadata) -> NativePlan:
-    kept = [i for i in range(meta.num_seqs) if meta.kept_path(i)]
-    seqs = [i for i in range(meta.num_seqs) if i not in set(kept)]
+    """The step's kernel inputs (built once per step, on the step's path: four index vectors in
+    one tensor, and a lone sequence's table used as it is, without a padded copy)."""
+    n = meta.num_seqs
+    plain = meta.seq_sinks is None and meta.dropped is None and meta.score_queries is None
+    kept = [] if plain else [i for i in range(n) if meta.kept_path(i)]
+    seqs = list(range(n)) if not kept else [i for i in range(n) if i not in set(kept)]
     bs = meta.block_size
-    width = max((-(-meta.seq_lens[i] // bs) for i in seqs), default=1)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int64)
-    for row, i in enumerate(seqs):
-        t = meta.block_tables[i][: -(-meta.seq_lens[i] // bs)]
-        tables[row, : t.numel()] = t.cpu()
+    blocks = [-(-meta.seq_lens[i] // bs) for i in seqs]
+    if not seqs:
+        tables = torch.zeros(0, 1, dtype=torch.int64)
+    elif len(seqs) == 1:
+        tables = meta.block_tables[seqs[0]][: blocks[0]].cpu().reshape(1, -1).contiguous()
+    else:  # rows padded with 0 to the longest (never read past a row's own length)
+        tables = pad_sequence([meta.block_tables[i][:nb].cpu() for i, nb in zip(seqs, blocks)], batch_first=True)
     qsl = meta.query_start_loc
-    return NativePlan(
-        seqs,
-        torch.tensor([qsl[i] for i in seqs], dtype=torch.int64),
-        torch.tensor([qsl[i + 1] - qsl[i] for i in seqs], dtype=torch.int64),
-        torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.int64),
-        torch.tensor([meta.window_of(i) or 0 for i in seqs], dtype=torch.int64),
-        tables, kept)
+    index = torch.tensor([[qsl[i] for i in seqs], [qsl[i + 1] - qsl[i] for i in seqs],
+                          [meta.seq_lens[i] for i in seqs], [meta.window_of(i) or 0 for i in seqs]],
+                         dtype=torch.int64).reshape(4, len(seqs))
+    return NativePlan(seqs, index[0], index[1], index[2], index[3], tables, kept)
 
 
 _EMPTY_B = torch.zeros(0, dtype=torch.bool)
