@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine_ab import alternate, medians
+from engine_ab import by_batch, print_rows
 from throughput import CACHE
 
 from kvserve import LLM
@@ -53,14 +53,8 @@ def main() -> None:
         return switch
 
     variants = {"native loop": env("1"), "per layer": env("0")}
-    rows = []
-    for b in sizes:
-        ms = alternate(llm.engine, b, a.context, variants, a.rounds, a.steps)
-        med = medians(ms)
-        rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms,
-                     "ratio": med["native loop"] / med["per layer"]})
-        print(f"  batch {b:>3}: native loop {med['native loop']:.2f} ms  per layer {med['per layer']:.2f} ms"
-              f"  {rows[-1]['ratio']:.3f}x", flush=True)
+    rows = by_batch(llm.engine, sizes, a.context, variants, a.rounds, a.steps)
+    print_rows(rows, f"decode ms per engine step, {a.context}-token prompts (median of {a.rounds} rounds of {a.steps})")
     doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/decode_stack.py", *sys.argv[1:]]),
            "threads": a.threads, "context": a.context, "plan_rows1": plan, "rows": rows}
     a.json.parent.mkdir(parents=True, exist_ok=True)

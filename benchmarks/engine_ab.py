@@ -57,3 +57,26 @@ def model_switches(eng, models: dict[str, Any]) -> dict[str, Callable[[], None]]
             eng.runner.model = model
         return run
     return {name: switch(m) for name, m in models.items()}
+
+
+def by_batch(eng, sizes: list[int], context: int, variants: dict[str, Callable[[], None]], rounds: int,
+             steps: int) -> list[dict[str, Any]]:
+    """:func:`alternate` at each batch size: rows of ``{batch, median_ms_per_step, runs_ms, ratio}``,
+    ``ratio`` the first variant's median over the second's."""
+    first, second = list(variants)[:2]
+    rows = []
+    for b in sizes:
+        ms = alternate(eng, b, context, variants, rounds, steps)
+        med = medians(ms)
+        rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms, "ratio": med[first] / med[second]})
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]], title: str) -> None:
+    """A table of :func:`by_batch`'s rows: ms per step of each variant and the ratio."""
+    names = list(rows[0]["median_ms_per_step"]) if rows else []
+    print(f"\n{title}")
+    print(f"{'batch':>6} " + " ".join(f"{n:>{max(12, len(n))}}" for n in names) + f" {'ratio':>7}")
+    for r in rows:
+        m = r["median_ms_per_step"]
+        print(f"{r['batch']:>6} " + " ".join(f"{m[n]:>{max(12, len(n))}.2f}" for n in names) + f" {r['ratio']:>7.3f}")

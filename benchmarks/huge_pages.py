@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch
-from engine_ab import alternate, medians, model_switches
+from engine_ab import by_batch, model_switches, print_rows
 from throughput import CACHE
 
 from kvserve import LLM
@@ -74,16 +74,8 @@ def decode(sizes: list[int], context: int, rounds: int, steps: int) -> list[dict
         del os.environ["KVSERVE_HUGE_PAGES"]
     variants = {"huge pages": eng.runner.model, "small pages": small}
     print(f"  resident on huge pages with both copies loaded: {huge_pages.resident_huge_bytes() / 2**20:.0f} MiB")
-
-
-    rows = []
-    for b in sizes:
-        ms = alternate(eng, b, context, model_switches(eng, variants), rounds, steps)
-        med = medians(ms)
-        rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms,
-                     "ratio": med["huge pages"] / med["small pages"]})
-        print(f"  batch {b:>3}: huge pages {med['huge pages']:.2f} ms  small pages {med['small pages']:.2f} ms"
-              f"  {rows[-1]['ratio']:.3f}x", flush=True)
+    rows = by_batch(eng, sizes, context, model_switches(eng, variants), rounds, steps)
+    print_rows(rows, f"decode ms per engine step, {context}-token prompts, median of {rounds} rounds of {steps}")
     return rows
 
 
@@ -108,7 +100,6 @@ def main() -> None:
         g = gemv(a.rounds)
     rows = []
     if not a.skip_decode:
-        print(f"decode ms per engine step, {a.context}-token prompts, median of {a.rounds} rounds of {a.steps}")
         rows = decode([int(x) for x in a.batch.split(",")], a.context, a.rounds, a.steps)
     doc = {"cpu": cpu, "thp": huge_pages.thp_mode(), "command": " ".join(["python", "benchmarks/huge_pages.py",
            *sys.argv[1:]]), "gemv_gb_s": g, "decode": rows}

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine_ab import alternate, medians, model_switches
+from engine_ab import by_batch, model_switches, print_rows
 from throughput import CACHE
 
 from kvserve import LLM
@@ -77,19 +77,8 @@ def main() -> None:
     second, _ = load_model(a.model, dtype="bfloat16", cpu_fp16_gemm=False)
     apply_plan(second, GemmPlan(other, "forced"))
     variants = {"this machine's plan": eng.runner.model, "--other": second}
-
-
-    rows = []
-    names = list(variants)
-    for b in sizes:
-        ms = alternate(eng, b, a.context, model_switches(eng, variants), a.rounds, a.steps)
-        med = medians(ms)
-        rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms, "ratio": med[names[0]] / med[names[1]]})
-    print(f"\ndecode ms per engine step, {a.context}-token prompts (median of {a.rounds} rounds of {a.steps})")
-    print(f"{'batch':>6} {names[0]:>20} {names[1]:>10} {'ratio':>7}")
-    for r in rows:
-        m = r["median_ms_per_step"]
-        print(f"{r['batch']:>6} {m[names[0]]:>20.2f} {m[names[1]]:>10.2f} {r['ratio']:>7.3f}")
+    rows = by_batch(eng, sizes, a.context, model_switches(eng, variants), a.rounds, a.steps)
+    print_rows(rows, f"decode ms per engine step, {a.context}-token prompts (median of {a.rounds} rounds of {a.steps})")
     doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/plan_ab.py", *sys.argv[1:]]),
            "threads": a.threads, "context": a.context, "plans": {"this machine's plan": mine, "--other": other},
            "rows": rows}

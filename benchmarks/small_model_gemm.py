@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine_ab import alternate, medians, model_switches
+from engine_ab import by_batch, model_switches, print_rows
 
 from kvserve import LLM
 from kvserve.assets import default_model_path
@@ -53,20 +53,9 @@ def main() -> None:
     timed = eng.runner.model
     untimed, _ = load_model(a.model, dtype=eng.model_config.dtype, cpu_fp16_gemm=False)
     variants = {"timed plan": timed, "torch bf16 (untimed)": untimed}
-
-
-    rows = []
-    names = list(variants)
-    for b in sizes:
-        ms = alternate(eng, b, a.context, model_switches(eng, variants), a.rounds, a.steps)
-        med = medians(ms)
-        rows.append({"batch": b, "median_ms_per_step": med, "runs_ms": ms, "ratio": med[names[0]] / med[names[1]]})
+    rows = by_batch(eng, sizes, a.context, model_switches(eng, variants), a.rounds, a.steps)
     eng.runner.model = timed
-    print(f"\ndecode ms per engine step, {a.context}-token prompts (median of {a.rounds} rounds of {a.steps})")
-    print(f"{'batch':>6} {names[0]:>12} {names[1]:>22} {'ratio':>7}")
-    for r in rows:
-        m = r["median_ms_per_step"]
-        print(f"{r['batch']:>6} {m[names[0]]:>12.2f} {m[names[1]]:>22.2f} {r['ratio']:>7.3f}")
+    print_rows(rows, f"decode ms per engine step, {a.context}-token prompts (median of {a.rounds} rounds of {a.steps})")
     doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/small_model_gemm.py", *sys.argv[1:]]),
            "threads": a.threads, "context": a.context, "plan": plan, "rows": rows}
     a.json.parent.mkdir(parents=True, exist_ok=True)

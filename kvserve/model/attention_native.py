@@ -37,7 +37,8 @@ from kvserve.native import fused
 
 EXTENSION = "kvserve_paged"
 SOURCES = ["paged_attention.cpp"]
-_FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""The kernel's code for a float pool's (and a query's) dtype."""
 # Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
 # each decoded block, few enough that the scratch stays in L1/L2 and causal tiles balance.
 Q_TILE = 8
@@ -126,18 +127,18 @@ class KVSource:
 
 
 def _plain_source(t: torch.Tensor) -> KVSource | None:
-    if t.dtype not in _FLOAT_KIND or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dtype not in FLOAT_KIND or not t.is_contiguous() or t.device.type != "cpu":
         return None
     stride = t[0, 0].numel() * t.element_size()
-    params = [_FLOAT_KIND[t.dtype], stride, 0, 0, 0, 1]
+    params = [FLOAT_KIND[t.dtype], stride, 0, 0, 0, 1]
     return KVSource(t[0], params, t[1], list(params), (t.new_zeros(0), _EMPTY_B, _EMPTY_L, _EMPTY_L))
 
 
 def _side_params(codec: Any, placed: Any, region: torch.Tensor) -> list[int] | None:
     offs = {f.name: off for f, off in placed}
     stride = region.stride(0)
-    if isinstance(codec, IdentityCodec) and codec.dtype in _FLOAT_KIND:
-        return [_FLOAT_KIND[codec.dtype], stride, 0, 0, offs["data"], 1]
+    if isinstance(codec, IdentityCodec) and codec.dtype in FLOAT_KIND:
+        return [FLOAT_KIND[codec.dtype], stride, 0, 0, offs["data"], 1]
     if isinstance(codec, (Int8Codec, Fp8Codec)):
         return [3 if isinstance(codec, Int8Codec) else 4, stride, offs["scale"], 0, offs["q"], 1]
     if isinstance(codec, Int4TokenCodec):

@@ -1,11 +1,11 @@
 """Every decoder layer of a small step in one native call (``csrc/decode_stack.cpp``).
 
 A decode step of the 0.5B shape crossed from Python into C++ ~1,000 times (24 layers of norms,
-projections, rope, attention, SiLU·mul, adds); on the 2-core Zen 4 EPYC that Python and dispatch
-time was ~10 ms of a 42 ms step, with the second OpenMP thread spinning meanwhile (perf: 14 % of
-samples). :func:`run_layers` hands the whole layer loop to one C++ function that calls the same
-kernels in the same order, so its hidden states are bit-equal to the per-layer path's
-(tests/model/test_decode_stack.py); ``python benchmarks/decode_stack.py`` measures it.
+projections, rope, attention, SiLU·mul, adds), while the second OpenMP thread waited for the next
+parallel call. :func:`run_layers` hands the whole layer loop to one C++ function that calls the
+same kernels in the same order, so its hidden states are bit-equal to the per-layer path's
+(tests/engine/test_decode_stack.py); on the 2-core Zen 4 EPYC a decode step took 0.85x the
+per-layer path's time at one sequence and 0.93x at 16 (``python benchmarks/decode_stack.py``).
 
 It runs when everything the loop would do is one of those kernels, and the caller runs the
 per-layer path otherwise (:func:`run_layers` returns None):
@@ -51,7 +51,6 @@ INCLUDES = ["tiled_gemm.cpp", "fused_ops.cpp", "paged_attention.cpp"]
 MAX_ROWS = 64
 """Steps of up to this many tokens (the tiled kernel's few-rows bands); longer chunks are compute,
 where Python's share is small."""
-_FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def enabled() -> bool:
@@ -129,7 +128,7 @@ def run_layers(model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     t = h.shape[0]
     plan = meta.plan
     if (t > MAX_ROWS or h.device.type != "cpu" or not enabled() or not isinstance(plan, attention_native.NativePlan)
-            or plan.kept or not plan.seqs or h.dtype not in _FLOAT_KIND):
+            or plan.kept or not plan.seqs or h.dtype not in attention_native.FLOAT_KIND):
         return None
     layout = _kv_layout(list(kv_caches), h, meta)
     if layout is None:
@@ -142,7 +141,7 @@ def run_layers(model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return mod.run_layers(h.contiguous(), cos, sin, spec.weights, pools, meta.slot_mapping, plan.q_start, plan.q_len,
                           plan.seq_len, plan.window, plan.tables, spec.scale, spec.heads, spec.kv_heads, spec.inter,
                           spec.eps, attention_native.Q_TILE, attention_native.IMPL, fused.SILU_NATIVE_ROWS,
-                          _FLOAT_KIND[h.dtype], write, sources)  # type: ignore[no-any-return]
+                          attention_native.FLOAT_KIND[h.dtype], write, sources)  # type: ignore[no-any-return]
 
 
 def _kv_layout(caches: list[LayerKV | torch.Tensor], h: torch.Tensor,

@@ -4,7 +4,7 @@ A one-row GEMV reads every weight once a step; with 4 KiB pages that is a TLB mi
 lines and a page walk for every prefetch that crosses a page. With the kernel's transparent huge
 pages in ``madvise`` mode (Debian's default) nothing a program allocates gets them unless it asks.
 Measured on the 2-core Zen 4 EPYC (the tiled kernel's one-row GEMV on the 0.5B shape's matrices,
-distinct copies past the last-level cache, the two layouts alternating): 1.05-1.16x the read
+distinct copies past the last-level cache, the two layouts alternating): 1.01-1.08x the read
 bandwidth on huge pages (``python benchmarks/huge_pages.py``).
 
 :func:`empty` returns a tensor over an anonymous mapping whose 2 MiB-aligned interior is

@@ -4,12 +4,11 @@ libgomp gives every thread that opens a parallel region a team (a pool of worker
 kept until that thread exits. Once the process holds more OpenMP threads than there are CPUs,
 libgomp throttles the spin-wait of *every* team (``GOMP_SPINCOUNT`` drops 300x), so each parallel
 region wakes its workers through the kernel instead of finding them spinning. A decode step opens
-~150 regions. Measured on the 2-core Zen 4 EPYC (0.5B shape, bf16, one sequence, 64 tokens,
-``python benchmarks/omp_teams.py``): decoding on a thread other than the one that loaded the model
-took 1.2-1.35x the time of decoding on the loading thread, which is what the server did (it loads
-on the main thread and steps on ``kvserve-engine``); and one 64-row pass of FBGEMM's 2-shard path
-during GEMM timing slowed the tiled kernel that was timed after it 1.6-1.9x, to the end of the
-process.
+~150 regions. Measured on the 2-core Zen 4 EPYC (``python benchmarks/omp_teams.py``): decoding the
+0.5B shape on a thread other than the one that loaded the model took 1.16x the time of decoding on
+the loading thread, which is what the server did (it loads on the main thread and steps on
+``kvserve-engine``); and after a helper thread ran one parallel op (as FBGEMM's shard threads did
+during GEMM timing), the tiled kernel's one-row GEMV took 2.15x its time, to the end of the process.
 
 Two remedies, both no-ops where the runtime is not libgomp (it is the one torch's wheels load):
 

@@ -23,7 +23,14 @@ pytestmark = pytest.mark.skipif(omp._libgomp() is None or not os.path.isdir("/pr
 
 
 def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """The process's OS threads once the count holds still (threads of earlier tests' helpers, and
+    their OpenMP workers, exit asynchronously)."""
+    last, same, deadline = -1, 0, time.monotonic() + 5
+    while same < 3 and time.monotonic() < deadline:
+        n = len(os.listdir("/proc/self/task"))
+        same, last = (same + 1, n) if n == last else (0, n)
+        time.sleep(0.02)
+    return last
 
 
 def parallel_op() -> None:

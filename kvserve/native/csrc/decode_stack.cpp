@@ -1,9 +1,8 @@
 // Every decoder layer of a small step (a decode, a verify, a short chunk) in one call from Python
 // (kvserve/model/decode_stack.py is the Python side).
 //
-// The per-layer Python path makes ~25 Python-level calls and ~20 pybind11 crossings a layer; on a
-// 2-core Zen 4 with the 0.5B shape that was ~10 ms of a 42 ms decode step on the main thread while
-// the other OpenMP thread spun (perf: 14 % of samples in libgomp's wait on the worker). This file
+// The per-layer Python path makes ~25 Python-level calls and ~20 pybind11 crossings a layer, while
+// the other OpenMP thread waits for the next parallel call (benchmarks/decode_stack.py). This file
 // compiles the three kernels' sources into one module (each inside a namespace of its own) and runs
 // the same functions in the same order the Python path runs them:
 //

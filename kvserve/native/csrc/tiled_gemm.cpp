@@ -102,10 +102,6 @@ void widen_panel(const uint16_t* w, int64_t k, int64_t n0, int64_t rows, int64_t
 }
 #endif
 
-#ifndef KVS_PF
-#define KVS_PF 1  // how many groups ahead the bf16-dot path prefetches (0: none). Session 12, Zen 4, one
-                  // row: none 0.55-0.9x the GB/s of 1; 2 within noise of 1; prefetcht0/nta 0.7x t1
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVS_BF16DOT 1
 // bf16 weights and bf16 inputs, up to kDotRowsBf16 rows, on AVX512-BF16 (vdpbf16ps: 32 bf16 products a step,
@@ -146,7 +142,7 @@ inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
   auto step = [&](int64_t j, __mmask32 mask) {
-    if (KVS_PF) pf.step();
+    pf.step();
     __m512bh wv[kRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + j);
@@ -170,7 +166,7 @@ void dots_bf16(const uint16_t* const* wg, const uint16_t* x, int64_t xs, int64_t
   const int64_t rest = rows % kPassRows;
   const int64_t passes = rows / kPassRows + (rest >= 4) + ((rest % 4) >= 2) + (rest % 2);
   const int64_t steps = (k + 31) / 32, lines = kRows * k / 32;
-  Prefetch pf{reinterpret_cast<const char*>(wg[0] + KVS_PF * kRows * k), 0, (lines + passes * steps - 1) / (passes * steps), lines};
+  Prefetch pf{reinterpret_cast<const char*>(wg[0] + kRows * k), 0, (lines + passes * steps - 1) / (passes * steps), lines};
   int64_t m = 0;
   for (; m + kPassRows <= rows; m += kPassRows) group_dots_bf16<kPassRows>(wg, x + m * xs, xs, k, out + m * kRows, pf);
   for (; m + 4 <= rows; m += 4) group_dots_bf16<4>(wg, x + m * xs, xs, k, out + m * kRows, pf);
