@@ -140,6 +140,22 @@ class CodecLayerKV:
                 x = s.shadows[self.layer][0].index_select(0, f.slots)
             put_blocks(s._pair_views(self.layer, pid, "k"), pair.k.encode_blocks(x), f.blocks)
 
+    def int8_write_args(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """What :meth:`write` would hand ``kvserve.native.fused.int8_write`` this step, when that is
+        all it would do: ``(blocks, offsets, [k scale, k codes, v scale, v codes])`` for a CPU pool
+        whose step writes every row through one joint int8 pair (no shadows, nothing to finalize),
+        else None. A native caller (``kvserve.model.decode_stack``) then writes without calling back."""
+        s, plan = self.storage, self.storage.plan
+        if plan is None or s.device.type != "cpu" or plan.shadow_rows is not None or plan.finalize \
+                or len(plan.writes) != 1:
+            return None
+        (pid, w), = plan.writes.items()
+        pair = s.layer_pair(self.layer, pid)
+        if not (w.all_rows and pair.joint and pair.k.name == "int8"):
+            return None
+        k, v = s._pair_views(self.layer, pid, "k"), s._pair_views(self.layer, pid, "v")
+        return w.blocks, w.offsets, [k["scale"], k["q"], v["scale"], v["q"]]
+
     def pair(self, pid: int) -> CodecPair:
         """The codec pair this layer uses for blocks written by pair ``pid`` (a per-layer pool's
         layers differ for pid 0; read ``storage.block_pair`` for a block's pid)."""

@@ -143,6 +143,8 @@ def select_backend(requested: str, *, heads: int, kv_heads: int, head_dim: int, 
         return TorchSDPABackend() if requested == "auto" else NativePagedBackend()
     # Which of the kernel's own paths runs where it is chosen (bf16-dot, tiled, scalar): the CPU's.
     record(KernelChoice("attention_native", "all", attention_native.kernel_path(dtype, head_dim), source="default"))
+    record(KernelChoice("attention_native", "int8_kv", attention_native.kernel_path(dtype, head_dim, "int8"),
+                        source="default"))
     if requested == "native":
         for role in roles:
             record(KernelChoice(*role.split("/"), "native", source="forced"))

@@ -37,38 +37,45 @@ from kvserve.native import fused
 
 EXTENSION = "kvserve_paged"
 SOURCES = ["paged_attention.cpp"]
+INCLUDES = ["paged_int8.h"]
 FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 """The kernel's code for a float pool's (and a query's) dtype."""
 # Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
 # each decoded block, few enough that the scratch stays in L1/L2 and causal tiles balance.
 Q_TILE = 8
-# Which kernel path: 0 the fastest that covers the case: the bf16-dot one (AVX512-BF16 builds: bf16
-# queries on the bf16 pool, head_dim a multiple of 32; vdpbf16ps for the scores and the V sums),
+# Which kernel path: 0 the fastest that covers the case: on an int8 pool the int8-dot one
+# (AVX512-VNNI builds: bf16 queries, head_dim a multiple of 32 up to 128, no shadows; integer dot
+# products on the codes, paged_int8.h), else the bf16-dot one (AVX512-BF16 builds: bf16 queries on
+# the bf16, int8 or fp8 pool, head_dim a multiple of 32; vdpbf16ps for the scores and the V sums),
 # else the tiled one (AVX2 + FMA, head_dim a multiple of 8; register-blocked scores and V sums
-# over 16-key tiles), else the scalar one; 1 always the scalar one; 2 the tiled one (never
-# bf16-dot). Tests compare each against the reference.
+# over 16-key tiles), else the scalar one; 1 always the scalar one; 2 the tiled one (never a dot
+# path); 3 as 0 but never int8-dot. Tests compare each against the reference.
 IMPL = 0
 
 
 def native_module() -> ModuleType | None:
     """The compiled kernel, built on first use; None (with :func:`unavailable_reason`) when not."""
-    return native.load_extension(EXTENSION, SOURCES)
+    return native.load_extension(EXTENSION, SOURCES, includes=INCLUDES)
 
 
 def unavailable_reason() -> str | None:
     return native.unavailable_reason(EXTENSION)
 
 
-def kernel_path(dtype: torch.dtype, head_dim: int) -> str:
-    """Which of the kernel's paths a model of this dtype and head_dim runs on its float, int8 and
-    fp8 pools (int4 pools: the tiled path where it exists): ``bf16_dot``, ``tiled`` or ``scalar``
+def kernel_path(dtype: torch.dtype, head_dim: int, codec: str = "float") -> str:
+    """Which of the kernel's paths a model of this dtype and head_dim runs on a pool of ``codec``
+    (``"float"``: the bf16/fp16/fp32 pools and fp8; ``"int8"``; int4 pools: the tiled path where it
+    exists): ``int8_dot`` (int8 pools without shadows), ``bf16_dot``, ``tiled`` or ``scalar``
     (``IMPL`` and the build's instruction sets decide, as in ``paged_attention.cpp``)."""
     mod = native_module()
 
     def has(name: str) -> bool:
         return bool(getattr(mod, name, lambda: False)())
 
-    if IMPL == 0 and dtype == torch.bfloat16 and head_dim % 32 == 0 and has("bf16dot_available"):
+    dot = IMPL in (0, 3) and dtype == torch.bfloat16 and head_dim % 32 == 0
+    if dot and codec == "int8" and IMPL == 0 and head_dim <= 128 and has("int8dot_available"):
+        return "int8_dot"
+    if dot and has("bf16dot_available"):
         return "bf16_dot"
     return "tiled" if IMPL != 1 and head_dim % 8 == 0 and has("tiled_available") else "scalar"
 
@@ -152,7 +159,20 @@ def _codec_source(cache: CodecLayerKV) -> KVSource | None:
     s = cache.storage
     if len(s.pairs_used) != 1 or s.device.type != "cpu":
         return None
-    pair = cache.pair(next(iter(s.pairs_used)))  # this layer's pair (a per-layer map's differ)
+    pid = next(iter(s.pairs_used))
+    if not s.shadow_of:
+        hit = _CODEC_SOURCES.get(cache)
+        if hit is not None and hit[0] == pid:
+            return hit[1]
+    src = _codec_source_of(cache, pid)
+    if not s.shadow_of:
+        _CODEC_SOURCES[cache] = (pid, src)
+    return src
+
+
+def _codec_source_of(cache: CodecLayerKV, pid: int) -> KVSource | None:
+    s = cache.storage
+    pair = cache.pair(pid)  # this layer's pair (a per-layer map's differ)
     kr, vr = s.k_regions[cache.layer], s.v_regions[cache.layer]
     if kr.stride(1) != 1 or vr.stride(1) != 1:
         return None
@@ -168,8 +188,10 @@ def _codec_source(cache: CodecLayerKV) -> KVSource | None:
 
 
 _PLAIN_SOURCES: weakref.WeakKeyDictionary[PlainLayerKV, KVSource | None] = weakref.WeakKeyDictionary()
-"""A float pool's layer views never change: their source is built once (a codec pool's depends on
-the pairs in use, so it is built per call)."""
+"""A float pool's layer views never change: their source is built once."""
+_CODEC_SOURCES: weakref.WeakKeyDictionary[CodecLayerKV, tuple[int, KVSource | None]] = weakref.WeakKeyDictionary()
+"""A codec pool's source depends on the one pair in use (its regions never change): kept per layer
+with that pair's id while no block has a shadow (the shadow tensors' state is per step)."""
 
 
 def kv_source(cache: LayerKV) -> KVSource | None:
@@ -235,13 +257,24 @@ class NativePagedBackend:
     def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: LayerKV,
                     meta: AttentionMetadata, scale: float, heads: int) -> torch.Tensor | None:
         """The layer from its projection's output ``qkv [T, heads + 2 * kv_heads, d]``: rope and the
-        K/V write in one native call (:func:`kvserve.native.fused.rope_write`), then :meth:`forward`'s
-        read. Only for a float pool in the model's dtype on a step the kernel plans; None otherwise
-        (the caller runs rope and :meth:`forward` itself)."""
-        if not isinstance(meta.plan, NativePlan) or not isinstance(kv_cache, PlainLayerKV):
+        K/V write in one native call (:func:`kvserve.native.fused.rope_write`; an int8 pool whose
+        step writes every row through one joint pair: :func:`~kvserve.native.fused.rope_int8_write`),
+        then :meth:`forward`'s read. Only for a float pool in the model's dtype or such an int8 pool,
+        on a step the kernel plans; None otherwise (the caller runs rope and :meth:`forward` itself)."""
+        if not isinstance(meta.plan, NativePlan) or self.module is None:
+            return None
+        if isinstance(kv_cache, CodecLayerKV):
+            args = kv_cache.int8_write_args()
+            if args is None:
+                return None
+            blocks, offsets, (ks, kq, vs, vq) = args
+            q = fused.rope_int8_write(qkv, heads, kv_cache.shape[3], cos, sin, {"scale": ks, "q": kq},
+                                      {"scale": vs, "q": vq}, blocks, offsets)
+            return None if q is None else self._attend(q, kv_cache, meta, scale)
+        if not isinstance(kv_cache, PlainLayerKV):
             return None
         pool = kv_cache.tensor
-        if pool.dtype != qkv.dtype or pool.device.type != "cpu" or self.module is None:
+        if pool.dtype != qkv.dtype or pool.device.type != "cpu":
             return None
         q = fused.rope_write(qkv, heads, pool.shape[3], cos, sin, pool, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, scale)

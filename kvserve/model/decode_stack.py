@@ -17,7 +17,8 @@ per-layer path otherwise (:func:`run_layers` returns None):
 * attention on the native backend's plan with no sequence on the torch path (sinks, dropped
   blocks, scores), every layer's KV a float pool in the model's dtype (written natively with
   rope, :func:`kvserve.native.fused.rope_write`) or a codec pool the kernel reads in one codec
-  pair (int8, fp8, int4: rope natively, then the pool's own ``write`` called back per layer);
+  pair (int8, fp8, int4: rope natively, then the pool's own ``write`` called back per layer, or,
+  where every layer's write is one joint int8 pair's, ``fused.int8_write`` natively);
 * the fused ops and the stack built (``KVSERVE_NATIVE=0`` or a failed build: never), and not
   switched off by ``KVSERVE_DECODE_STACK=0``.
 
@@ -47,7 +48,7 @@ from kvserve.native.choices import KernelChoice, record
 
 EXTENSION = "kvserve_stack"
 SOURCES = ["decode_stack.cpp"]
-INCLUDES = ["tiled_gemm.cpp", "fused_ops.cpp", "paged_attention.cpp"]
+INCLUDES = ["tiled_gemm.cpp", "fused_ops.cpp", "paged_attention.cpp", "paged_int8.h"]
 MAX_ROWS = 64
 """Steps of up to this many tokens (the tiled kernel's few-rows bands); longer chunks are compute,
 where Python's share is small."""
@@ -137,20 +138,37 @@ def run_layers(model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     mod = _ext() if spec is not None else None
     if spec is None or mod is None or fused._ext() is None:
         return None
-    pools, write, sources = layout
+    pools, write, sources, (blocks, offsets, int8_views) = layout
     return mod.run_layers(h.contiguous(), cos, sin, spec.weights, pools, meta.slot_mapping, plan.q_start, plan.q_len,
                           plan.seq_len, plan.window, plan.tables, spec.scale, spec.heads, spec.kv_heads, spec.inter,
                           spec.eps, attention_native.Q_TILE, attention_native.IMPL, fused.SILU_NATIVE_ROWS,
-                          attention_native.FLOAT_KIND[h.dtype], write, sources)  # type: ignore[no-any-return]
+                          attention_native.FLOAT_KIND[h.dtype], write, sources, int8_views, blocks,
+                          offsets)  # type: ignore[no-any-return]
 
 
-def _kv_layout(caches: list[LayerKV | torch.Tensor], h: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[list[torch.Tensor], Any, list[tuple[Any, ...]]] | None:
+_NO_INT8: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] = (torch.empty(0, dtype=torch.long),
+                                                                  torch.empty(0, dtype=torch.long), [])
+
+
+def _int8_writes(caches: list[CodecLayerKV]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Every layer's native int8 write (:meth:`CodecLayerKV.int8_write_args`, one set of slots for
+    all), or :data:`_NO_INT8` when some layer's write is anything else."""
+    args = [c.int8_write_args() for c in caches]
+    if any(a is None for a in args):
+        return _NO_INT8
+    blocks, offsets, _ = args[0]  # type: ignore[misc]
+    return blocks.contiguous(), offsets.contiguous(), [t for a in args for t in a[2]]  # type: ignore[index]
+
+
+def _kv_layout(caches: list[LayerKV | torch.Tensor], h: torch.Tensor, meta: AttentionMetadata
+               ) -> tuple[list[torch.Tensor], Any, list[tuple[Any, ...]], tuple[torch.Tensor, torch.Tensor,
+                                                                             list[torch.Tensor]]] | None:
     """How the loop reaches each layer's KV: float pools in the model dtype (written natively), or
-    codec pools the kernel reads (written by the pool's own ``write``, called back per layer, as
-    the per-layer path does); None for anything else (mixed codec pairs, other kinds)."""
+    codec pools the kernel reads (written natively where every layer's write is one joint int8
+    pair's, else by the pool's own ``write``, called back per layer, as the per-layer path does);
+    None for anything else (mixed codec pairs, other kinds)."""
     if all(isinstance(c, PlainLayerKV) and c.tensor.dtype == h.dtype for c in caches):
-        return [c.tensor for c in caches], None, []  # type: ignore[union-attr]
+        return [c.tensor for c in caches], None, [], _NO_INT8  # type: ignore[union-attr]
     if not all(isinstance(c, CodecLayerKV) for c in caches):
         return None
     srcs = [attention_native.kv_source(c) for c in caches]  # type: ignore[arg-type]
@@ -163,4 +181,5 @@ def _kv_layout(caches: list[LayerKV | torch.Tensor], h: torch.Tensor,
         caches[layer].write(k, v, meta.slot_mapping)  # type: ignore[union-attr]
 
     return ([sizes] * len(caches), write,
-            [(src.k_base, src.k_params, src.v_base, src.v_params, *src.shadow) for src in srcs])  # type: ignore[union-attr]
+            [(src.k_base, src.k_params, src.v_base, src.v_params, *src.shadow) for src in srcs],  # type: ignore[union-attr]
+            _int8_writes(caches))  # type: ignore[arg-type]

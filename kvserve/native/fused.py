@@ -151,3 +151,20 @@ def int8_write(x: torch.Tensor, views: dict[str, torch.Tensor], blocks: torch.Te
         return False
     ext.int8_write(x, scale, q, blocks.contiguous(), offsets.contiguous())
     return True
+
+
+def rope_int8_write(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                    k_views: dict[str, torch.Tensor], v_views: dict[str, torch.Tensor], blocks: torch.Tensor,
+                    offsets: torch.Tensor) -> torch.Tensor | None:
+    """:func:`rope_write` for an int8 pool: the rotated queries ``[T, heads, d]``, with the rotated
+    keys and the values encoded into the int8 codec's K / V field ``views`` (``scale``, ``q``) at
+    slots ``(blocks, offsets)``; bit-equal to :func:`rotary` on q and k, then :func:`int8_write` of
+    k and of v. None (nothing written) where the kernel cannot run."""
+    ext = _native(qkv, cos, sin)
+    if (ext is None or qkv.dim() != 3 or qkv.stride(-1) != 1 or qkv.stride(1) != qkv.shape[2]
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype
+            or blocks.dtype != torch.int64 or offsets.dtype != torch.int64
+            or not {"scale", "q"} <= k_views.keys() or not {"scale", "q"} <= v_views.keys()):
+        return None
+    return ext.rope_int8_write(qkv, heads, kv_heads, cos, sin, k_views["scale"], k_views["q"],  # type: ignore[no-any-return]
+                               v_views["scale"], v_views["q"], blocks.contiguous(), offsets.contiguous())

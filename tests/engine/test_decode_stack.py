@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.kv.layer_kv import CodecLayerKV
 from kvserve.model import decode_stack
 from kvserve.model.tiled_gemm import tiled_gemm_available
 
@@ -101,13 +102,19 @@ def test_it_stands_aside_where_a_layer_runs_something_else(checkpoint: Checkpoin
 @pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
 def test_codec_pools_are_bit_equal_too(codec: str, checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch,
                                        stack_calls: list[int]) -> None:
-    """A codec pool: rope natively, the pool's own write called back per layer, the kernel reading
-    the codec; the same log-probabilities as the per-layer path."""
+    """A codec pool: rope natively, the pool's own write called back per layer (int8: written
+    natively, no call back), the kernel reading the codec; the same log-probabilities as the
+    per-layer path."""
     path = checkpoint("qwen2-bias-tied")
     monkeypatch.setenv("KVSERVE_GEMM", "kvserve_tiled")
+    native_writes: list[bool] = []
+    real_args = CodecLayerKV.int8_write_args
+    monkeypatch.setattr(CodecLayerKV, "int8_write_args",
+                        lambda self: native_writes.append(real_args(self) is not None) or real_args(self))
     prompts = [random_prompt(n, seed=n) for n in (5, 40)]
     stacked = generate(path, prompts, kv_cache_dtype=codec)
     assert 2 in stack_calls
+    assert native_writes and all(native_writes) == (codec == "int8") and any(native_writes) == (codec == "int8")
     monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
     per_layer = generate(path, prompts, kv_cache_dtype=codec)
     for a, b in zip(stacked, per_layer):

@@ -68,7 +68,8 @@ def test_auto_picks_the_faster_per_role_and_caches_it(monkeypatch, tmp_path):
     assert recorded() == {("attention_decode", "all"): ("native", "measured"),
                           ("attention_prefill", "q<=96"): ("native", "measured"),
                           ("attention_prefill", "q>96"): ("torch_sdpa", "measured"),
-                          ("attention_native", "all"): (path, "default")}
+                          ("attention_native", "all"): (path, "default"),
+                          ("attention_native", "int8_kv"): (path, "default")}
     assert len(calls) == 6
     data = json.loads((tmp_path / attention_choice.CACHE_FILE).read_text())
     key = attention_choice.cache_key(*SHAPE.values())
@@ -102,7 +103,8 @@ def test_a_step_the_kernel_is_not_chosen_for_runs_the_torch_plan():
 @pytest.mark.skipif(native_module() is None, reason="no native kernel")
 def test_the_kernel_path_follows_the_cpu_dtype_and_head_dim(monkeypatch):
     """bf16 at a head_dim that is a multiple of 32 runs bf16-dot exactly where the build has it;
-    fp32, fp16 and head_dim 24 the tiled path; IMPL 1 the scalar one."""
+    fp32, fp16 and head_dim 24 the tiled path; IMPL 1 the scalar one. An int8 pool runs int8-dot
+    where the build has it (bf16, head_dim a multiple of 32 up to 128, IMPL 0 only)."""
     from kvserve.model import attention_native
 
     mod = native_module()
@@ -111,6 +113,13 @@ def test_the_kernel_path_follows_the_cpu_dtype_and_head_dim(monkeypatch):
     assert attention_native.kernel_path(torch.float32, 64) == tiled
     assert attention_native.kernel_path(torch.float16, 128) == tiled
     assert attention_native.kernel_path(torch.bfloat16, 24) == tiled
+    dot = "bf16_dot" if mod.bf16dot_available() else tiled
+    assert attention_native.kernel_path(torch.bfloat16, 64, "int8") == (
+        "int8_dot" if mod.int8dot_available() else dot)
+    assert attention_native.kernel_path(torch.bfloat16, 160, "int8") == dot
+    assert attention_native.kernel_path(torch.float32, 64, "int8") == tiled
+    monkeypatch.setattr(attention_native, "IMPL", 3)
+    assert attention_native.kernel_path(torch.bfloat16, 64, "int8") == dot
     monkeypatch.setattr(attention_native, "IMPL", 1)
     assert attention_native.kernel_path(torch.bfloat16, 64) == "scalar"
     monkeypatch.setattr(attention_native, "IMPL", 2)

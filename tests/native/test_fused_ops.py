@@ -173,3 +173,37 @@ def test_rope_write_equals_rotary_then_index_copy(ext, dtype: torch.dtype, token
     bad = torch.tensor([blocks * bs] + [0] * (tokens - 1))
     with pytest.raises(RuntimeError, match="slot out of range"):
         fused.rope_write(qkv, heads, kv_heads, cos, sin, pool, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_rope_int8_write_equals_rotary_then_the_codecs_encode(ext, dtype: torch.dtype, tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """The int8 pool's fused prologue: the reference's queries, and the K and V regions exactly as
+    rotary + the codec's encode and scatter leave them (other slots untouched), bit for bit."""
+    from kvserve.kv.layer_kv import put_tokens
+    from kvserve.kv.quant import Int8Codec
+
+    heads, kv_heads, d, nb, bs = 6, 2, 16, 13, 4
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, d, generator=g) * 3).to(dtype)
+    pos = torch.randint(0, 500, (tokens,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    blocks, offsets = slots // bs, slots % bs
+    regions = {n: int8_regions(nb, bs, kv_heads, d) for n in ("k", "v", "ref_k", "ref_v")}
+    for region, _ in regions.values():
+        region.copy_(torch.randint(0, 256, region.shape, generator=g, dtype=torch.uint8))
+    regions["ref_k"][0].copy_(regions["k"][0])
+    regions["ref_v"][0].copy_(regions["v"][0])
+    got_q = fused.rope_int8_write(qkv, heads, kv_heads, cos, sin, regions["k"][1], regions["v"][1], blocks, offsets)
+    qk = fused.rotary(qkv[:, :heads + kv_heads], cos, sin)
+    put_tokens(regions["ref_k"][1], Int8Codec().encode_tokens(qk[:, heads:]), blocks, offsets)
+    put_tokens(regions["ref_v"][1], Int8Codec().encode_tokens(qkv[:, heads + kv_heads:]), blocks, offsets)
+    assert got_q is not None and torch.equal(got_q, qk[:, :heads])
+    assert torch.equal(regions["k"][0], regions["ref_k"][0])
+    assert torch.equal(regions["v"][0], regions["ref_v"][0])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.rope_int8_write(qkv, heads, kv_heads, cos, sin, regions["k"][1], regions["v"][1],
+                              torch.full_like(blocks, nb), offsets)

@@ -306,21 +306,69 @@ def test_short_sequences_read_their_shadows(impl):
 def test_bf16_dot_path_reads_int8_and_fp8_pools(pool, d, bs, min_tokens, monkeypatch):
     """The bf16-dot path on the int8 / fp8 pools (codes widened to bf16 exactly, the per-token
     scale on the scores and the probabilities), with and without full-precision shadows for short
-    sequences: against the reference on what the codec stored and the tiled path."""
+    sequences: against the reference on what the codec stored and the tiled path. (IMPL 3: the
+    int8-dot path, which IMPL 0 takes on int8 pools without shadows, is tested below.)"""
     monkeypatch.setattr(sys.modules[__name__], "BS", bs)
     specs = [(3, 1), (20, 1), (5, 4), (40, 17), (70, 1)]
     outs = {}
-    for impl in (0, 2):
+    for impl in (3, 2):
         monkeypatch.setattr(attention_native, "IMPL", impl)
         s = storage(pool, torch.bfloat16, 2, window_blocks=48, min_tokens=min_tokens, d=d)
         outs[impl] = drive(s, specs, 14, None)
-    out, torch_out, refs, qsl, src = outs[0]
+    out, torch_out, refs, qsl, src = outs[3]
     assert src is not None and (src.shadow[0].numel() > 0) == (min_tokens > 0)
     assert not torch.equal(out, outs[2][0])  # another path ran
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=3e-2, rtol=3e-2, msg=f"sequence {i}")
     torch.testing.assert_close(out.float(), outs[2][0].float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float(), torch_out.float(), atol=3e-2, rtol=3e-2)
+
+
+needs_int8dot = pytest.mark.skipif(native_module() is None or not native_module().int8dot_available(),
+                                   reason="this build has no int8-dot path (no AVX512-VNNI + BF16)")
+
+
+@needs_int8dot
+@pytest.mark.parametrize("d,bs", [(32, 4), (64, 16), (128, 16), (64, 40)])
+@pytest.mark.parametrize("heads,kvh", [(14, 2), (4, 4)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_int8_dot_path_matches_reference_bf16_dot_and_tiled_paths(d, bs, heads, kvh, window, monkeypatch):
+    """bf16 queries on an int8 pool without shadows: the VNNI path (queries rounded to int16 per
+    row, integer dot products on the codes; probabilities rounded to int16 per 128-key group for
+    the V sums) against the reference on what the codec stored, the bf16-dot path (IMPL 3) and
+    the tiled path (IMPL 2): decodes, chunks of up to 33 tokens over up to 300 cached ones (more
+    than one 128-key group), a window starting inside a tile, blocks of 4, 16 and 40 keys."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", bs)
+    monkeypatch.setattr(sys.modules[__name__], "NB", 160)
+    specs = [(3, 1), (20, 1), (5, 4), (40, 17), (150, 33), (300, 1), (0, 9)]
+    outs = {}
+    for impl in (0, 3, 2):
+        monkeypatch.setattr(attention_native, "IMPL", impl)
+        outs[impl] = drive(storage("int8", torch.bfloat16, kvh, d=d), specs, heads, window)
+    out, torch_out, refs, qsl, src = outs[0]
+    assert src is not None and src.shadow[0].numel() == 0
+    assert not out.isnan().any()
+    assert not torch.equal(out, outs[3][0]) and not torch.equal(out, outs[2][0])  # another path ran
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=3e-2, rtol=3e-2, msg=f"sequence {i}")
+    for other in (outs[3][0], outs[2][0], torch_out):
+        torch.testing.assert_close(out.float(), other.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_int8dot
+def test_the_int8_dot_path_leaves_shadows_fp32_and_wide_heads_to_the_others(monkeypatch):
+    """Shadows (kv_quant_min_tokens), fp32 queries and head_dim 160 on an int8 pool: IMPL 0 gives
+    bit for bit what IMPL 3 (never int8-dot) gives."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", 16)
+    for dtype, d, min_tokens in ((torch.bfloat16, 64, 12), (torch.float32, 64, 0), (torch.bfloat16, 160, 0)):
+        outs = []
+        for impl in (0, 3):
+            monkeypatch.setattr(attention_native, "IMPL", impl)
+            s = storage("int8", dtype, 2, window_blocks=48 if min_tokens else 0, min_tokens=min_tokens, d=d)
+            out, _, _, _, src = drive(s, CODEC_SPECS, 14, None)
+            assert src is not None and (src.shadow[0].numel() > 0) == (min_tokens > 0)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (dtype, d, min_tokens)
 
 
 def test_two_codecs_in_one_pool_fall_back_to_the_torch_path():

@@ -8,7 +8,7 @@
 //
 //   x = rms_norm(h, in_norm)                    fused_ops.cpp
 //   qkv = gemm(x, W_qkv, b_qkv)                 tiled_gemm.cpp
-//   q = rope_write(qkv, cos, sin, pool, slots)  fused_ops.cpp
+//   q = rope_write(qkv, cos, sin, pool, slots)  fused_ops.cpp (an int8 pool: rope_int8_write)
 //   o = paged_attention(q, plan, pool)          paged_attention.cpp
 //   a = gemm(o, W_o, b_o)
 //   x, h = add_rms_norm(a, h, post_norm)
@@ -55,15 +55,21 @@ constexpr int64_t kPerLayer = 8;  // in_norm, qkv, qkv bias, o, o bias, post_nor
 // codec_write(layer, k, v) (the pool's own write, in Python), then attention over sources[layer]:
 // (k_base, k_params, v_base, v_params, shadow, has_shadow, shadow_slot, shadow_rows) as
 // paged_attention() takes them. pools then only give each layer's block size and head_dim.
+// int8_views (4 a layer: K scale, K codes, V scale, V codes) with write_blocks/offsets [T]: the
+// step's write is rope_int8_write() there (what rotary() and the pool's write would do), not codec_write.
 at::Tensor run_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& w,
                       const std::vector<at::Tensor>& pools, const at::Tensor& slots, const at::Tensor& q_start,
                       const at::Tensor& q_len, const at::Tensor& seq_len, const at::Tensor& window,
                       const at::Tensor& tables, double scale, int64_t heads, int64_t kv_heads, int64_t inter,
                       double eps, int64_t q_tile, int64_t impl, int64_t silu_rows, int64_t float_kind,
-                      const py::object& codec_write, const py::list& sources) {
+                      const py::object& codec_write, const py::list& sources,
+                      const std::vector<at::Tensor>& int8_views, const at::Tensor& write_blocks,
+                      const at::Tensor& write_offsets) {
   const int64_t layers = static_cast<int64_t>(pools.size());
   const bool codec = !codec_write.is_none();
   TORCH_CHECK(!codec || static_cast<int64_t>(sources.size()) == layers, "one KV source per layer");
+  TORCH_CHECK(int8_views.empty() || (codec && static_cast<int64_t>(int8_views.size()) == 4 * layers),
+              "int8 views: 4 per layer, with a codec pool");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == kPerLayer * layers, "expected ", kPerLayer, " weights per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [T, hidden]");
   const int64_t t = h.size(0);
@@ -79,9 +85,15 @@ at::Tensor run_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin
     at::Tensor qkv = kgemm::gemm(x, lw[1], lw[2], out_code).view({t, heads + 2 * kv_heads, d});
     at::Tensor q, o;
     if (codec) {
-      at::Tensor qk = kfused::rotary(qkv.slice(1, 0, heads + kv_heads), cos, sin);
-      codec_write(l, qk.slice(1, heads), qkv.slice(1, heads + kv_heads));
-      q = qk.slice(1, 0, heads).contiguous();
+      if (int8_views.empty()) {
+        at::Tensor qk = kfused::rotary(qkv.slice(1, 0, heads + kv_heads), cos, sin);
+        codec_write(l, qk.slice(1, heads), qkv.slice(1, heads + kv_heads));
+        q = qk.slice(1, 0, heads).contiguous();
+      } else {  // one joint int8 pair, every row: its write without the call back into Python
+        at::Tensor* iv = const_cast<at::Tensor*>(int8_views.data()) + 4 * l;
+        q = kfused::rope_int8_write(qkv, heads, kv_heads, cos, sin, iv[0], iv[1], iv[2], iv[3], write_blocks,
+                                    write_offsets);
+      }
       o = at::empty_like(q);
       const py::tuple src = sources[l].cast<py::tuple>();
       kpaged::paged_attention(q, o, q_start, q_len, seq_len, window, tables, scale, pool.size(2), kv_heads,

@@ -253,20 +253,30 @@ __attribute__((optimize("no-fast-math"))) void int8_rows(
 }
 #pragma GCC pop_options
 
-void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at::Tensor& blocks,
-                const at::Tensor& offsets) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be [tokens, kv_heads, head_dim] contiguous");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+// The int8 codec's field views (scale [blocks, block_size, H] fp32, q [blocks, block_size, H, D]
+// int8) and T slots (blocks, offsets) in range.
+void check_int8_slots(const at::Tensor& scale, const at::Tensor& q, const at::Tensor& blocks,
+                      const at::Tensor& offsets, int64_t T, int64_t H, int64_t D) {
   TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kFloat && scale.size(2) == H && scale.stride(2) == 1 &&
               scale.stride(1) == H, "scale must be a float [blocks, block_size, kv_heads] view");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kChar && q.size(2) == H && q.size(3) == D && q.stride(3) == 1 &&
               q.stride(2) == D && q.stride(1) == H * D, "q must be an int8 [blocks, block_size, kv_heads, head_dim] view");
+  TORCH_CHECK(scale.size(0) == q.size(0) && scale.size(1) == q.size(1), "scale and q views differ in blocks");
   TORCH_CHECK(blocks.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && blocks.is_contiguous() &&
               offsets.is_contiguous() && blocks.numel() == T && offsets.numel() == T, "blocks/offsets: int64 [tokens]");
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* o = offsets.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(b[t] >= 0 && b[t] < q.size(0) && o[t] >= 0 && o[t] < q.size(1), "slot out of range");
+}
+
+void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at::Tensor& blocks,
+                const at::Tensor& offsets) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be [tokens, kv_heads, head_dim] contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  check_int8_slots(scale, q, blocks, offsets, T, H, D);
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_write", [&] {
     int8_rows<scalar_t>(x.data_ptr<scalar_t>(), scale.data_ptr<float>(), q.data_ptr<int8_t>(), b, o, T, H, D,
                         scale.stride(0), scale.stride(1), q.stride(0), q.stride(1));
@@ -278,8 +288,7 @@ void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at:
 // cache [2, blocks, block_size, kv_heads, d] (contiguous, qkv's dtype), slots [T] int64. Returns
 // the rotated queries [T, heads, d]; the rotated keys and the values are written at their slots.
 // Equal to rotary() on q and k, then index_copy_ of k and v into the flattened pool.
-at::Tensor rope_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
-                      const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots) {
+void check_qkv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == heads + 2 * kv_heads && qkv.stride(2) == 1 &&
               qkv.stride(1) == qkv.size(2), "qkv must be [T, heads + 2 * kv_heads, d], each row contiguous");
   const int64_t t = qkv.size(0), d = qkv.size(2);
@@ -287,6 +296,12 @@ at::Tensor rope_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, co
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == t && cos.size(1) == d &&
               sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
               sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, d] contiguous in qkv's dtype");
+}
+
+at::Tensor rope_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots) {
+  check_qkv(qkv, heads, kv_heads, cos, sin);
+  const int64_t t = qkv.size(0), d = qkv.size(2);
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == kv_heads && cache.size(4) == d &&
               cache.is_contiguous() && cache.scalar_type() == qkv.scalar_type(),
               "cache must be a contiguous [2, blocks, block_size, kv_heads, d] tensor in qkv's dtype");
@@ -320,6 +335,45 @@ at::Tensor rope_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, co
   return q;
 }
 
+// rope_write for an int8 pool (one joint Int8Codec pair): the rotated queries [T, heads, d] are
+// returned; the rotated keys (rounded to qkv's dtype, as rotary() rounds them) and the values are
+// encoded and written as int8_write() writes them, to (blocks[t], offsets[t]) of the K and V
+// field views. Equal to rotary() on q and k, then int8_write() of k and of v.
+at::Tensor rope_int8_write(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_scale, at::Tensor& k_q, at::Tensor& v_scale,
+                           at::Tensor& v_q, const at::Tensor& blocks, const at::Tensor& offsets) {
+  check_qkv(qkv, heads, kv_heads, cos, sin);
+  const int64_t t = qkv.size(0), d = qkv.size(2);
+  check_int8_slots(k_scale, k_q, blocks, offsets, t, kv_heads, d);
+  check_int8_slots(v_scale, v_q, blocks, offsets, t, kv_heads, d);
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  auto q = at::empty({t, heads, d}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_int8_write", [&] {
+    using T = scalar_t;
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    const int64_t s0 = qkv.stride(0), rows = heads + kv_heads;
+    at::parallel_for(0, t, kRowGrain, [&](int64_t lo, int64_t hi) {
+      std::vector<T> k(kv_heads * d);
+      for (int64_t i = lo; i < hi; ++i) {
+        const T* xr = xp + i * s0;
+        const T* c = cp + i * d;
+        const T* s = sp + i * d;
+        for (int64_t h = 0; h < heads; ++h) rotate_row<T>(xr + h * d, c, s, qp + (i * heads + h) * d, d);
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_row<T>(xr + (heads + h) * d, c, s, k.data() + h * d, d);
+        int8_rows<T>(k.data(), k_scale.data_ptr<float>(), k_q.data_ptr<int8_t>(), b + i, o + i, 1, kv_heads, d,
+                     k_scale.stride(0), k_scale.stride(1), k_q.stride(0), k_q.stride(1));
+        int8_rows<T>(xr + rows * d, v_scale.data_ptr<float>(), v_q.data_ptr<int8_t>(), b + i, o + i, 1, kv_heads, d,
+                     v_scale.stride(0), v_scale.stride(1), v_q.stride(0), v_q.stride(1));
+      }
+    });
+  });
+  return q;
+}
+
 #ifndef KVS_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary on q and k, k and v written into the float pool at their slots");
@@ -328,5 +382,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, rounded as the torch ops round");
   m.def("int8_write", &int8_write, "int8 KV encode (Int8Codec) and scatter into its field views");
+  m.def("rope_int8_write", &rope_int8_write, "rotary on q and k, k and v encoded into the int8 pool at their slots");
 }
 #endif

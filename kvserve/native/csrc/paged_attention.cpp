@@ -16,8 +16,8 @@
 // A side's block b starts at base + b * block_stride bytes. A block with a shadow (a full-precision
 // copy in the model dtype, kvserve.kv.storage) reads its first shadow_rows[b] rows from it.
 //
-// Paths: bf16-dot (AVX512-BF16 builds; bf16 queries on the bf16, int8 or fp8 pool, head_dim % 32 == 0),
-// tiled (AVX2 + FMA, head_dim % 8 == 0), scalar (any): see each section's header.
+// Paths: int8-dot (AVX512-VNNI builds; bf16 queries on an int8 pool: paged_int8.h), bf16-dot
+// (AVX512-BF16 builds; bf16 queries on the bf16, int8 or fp8 pool, head_dim % 32 == 0), tiled (AVX2 + FMA, head_dim % 8 == 0), scalar (any): see each section's header.
 //
 // Invariants: tables hold ceil(seq_len / block_size) valid ids per sequence; q_len <= seq_len;
 // scratch is per task, so tasks never share mutable state.
@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -821,44 +822,84 @@ inline void pv_words(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t
 #undef KVSERVE_STORE
 }
 
-inline void qk_word_rows(const uint32_t* Qw, int64_t rows, int64_t d, const uint32_t* Kw, float* S, int64_t ss) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const uint32_t* q = Qw + r0 * (d / 2);
-    float* s = S + r0 * ss;
-    switch (std::min<int64_t>(8, rows - r0)) {
-      case 1: qk_words<1>(q, d, Kw, s, ss); break;
-      case 2: qk_words<2>(q, d, Kw, s, ss); break;
-      case 3: qk_words<3>(q, d, Kw, s, ss); break;
-      case 4: qk_words<4>(q, d, Kw, s, ss); break;
-      case 5: qk_words<5>(q, d, Kw, s, ss); break;
-      case 6: qk_words<6>(q, d, Kw, s, ss); break;
-      case 7: qk_words<7>(q, d, Kw, s, ss); break;
-      default: qk_words<8>(q, d, Kw, s, ss); break;
+// fn(std::integral_constant<int, n>{}) for n = min(n, R) >= 1: the n-row instance of a kernel.
+template <int R, typename F>
+inline void with_rows(int64_t n, F&& fn) {
+  if constexpr (R > 1) {
+    if (n < R) {
+      with_rows<R - 1>(n, fn);
+      return;
     }
   }
+  fn(std::integral_constant<int, R>{});
+}
+
+// Rows in blocks of R (the last one shorter): fn(r0, n) with n as in with_rows.
+template <int R, typename F>
+inline void row_blocks(int64_t rows, F&& fn) {
+  for (int64_t r0 = 0; r0 < rows; r0 += R) with_rows<R>(rows - r0, [&](auto n) { fn(r0, n); });
+}
+
+inline void qk_word_rows(const uint32_t* Qw, int64_t rows, int64_t d, const uint32_t* Kw, float* S, int64_t ss) {
+  row_blocks<8>(rows, [&](int64_t r0, auto n) { qk_words<decltype(n)::value>(Qw + r0 * (d / 2), d, Kw, S + r0 * ss, ss); });
 }
 
 template <int C>
 inline void pv_word_rows_c(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t pairs, int64_t rows,
                            int64_t d, float* O) {
-  for (int64_t e0 = 0; e0 < d; e0 += 16 * C) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const uint32_t* p = Pw + r0 * ps;
-      float* o = O + r0 * d;
-      switch (std::min<int64_t>(4, rows - r0)) {
-        case 1: pv_words<1, C>(p, ps, Vw, pairs, d, e0, o); break;
-        case 2: pv_words<2, C>(p, ps, Vw, pairs, d, e0, o); break;
-        case 3: pv_words<3, C>(p, ps, Vw, pairs, d, e0, o); break;
-        default: pv_words<4, C>(p, ps, Vw, pairs, d, e0, o); break;
-      }
-    }
-  }
+  for (int64_t e0 = 0; e0 < d; e0 += 16 * C)
+    row_blocks<4>(rows, [&](int64_t r0, auto n) {
+      pv_words<decltype(n)::value, C>(Pw + r0 * ps, ps, Vw, pairs, d, e0, O + r0 * d);
+    });
 }
 
 inline void pv_word_rows(const uint32_t* Pw, int64_t ps, const uint16_t* Vw, int64_t pairs, int64_t rows, int64_t d,
                          float* O) {
   if (d % 64 == 0) pv_word_rows_c<4>(Pw, ps, Vw, pairs, rows, d, O);
   else pv_word_rows_c<2>(Pw, ps, Vw, pairs, rows, d, O);
+}
+
+// The keys of a tile (positions kpos.., nt of them) visible to a query at position qpos under the
+// causal mask and a window w (0: none), as a lane mask; full tiles give 0xFFFF without compares.
+inline __mmask16 visible_keys(int64_t qpos, int64_t w, int64_t kpos, int64_t nt, __m512 iota) {
+  const int64_t a = w > 0 ? std::max<int64_t>(0, qpos - w + 1 - kpos) : 0;
+  const int64_t z = std::min<int64_t>(nt, qpos - kpos + 1);
+  if (a >= z) return 0;
+  if (a == 0 && z == KT) return static_cast<__mmask16>(0xFFFF);
+  return static_cast<__mmask16>(_mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(a)), _CMP_GE_OQ) &
+                                _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(z)), _CMP_LT_OQ));
+}
+
+// An output row's running sums times the softmax's correction (skipped when it is 1).
+inline void rescale_row(float* orow, int64_t d, float corr) {
+  if (corr == 1.f) return;
+  const __m512 cv = _mm512_set1_ps(corr);
+  for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(orow + e, _mm512_mul_ps(_mm512_loadu_ps(orow + e), cv));
+}
+
+// One row's step of the online softmax over ng tiles' scores sv (masked lanes -inf, mk the masks):
+// store(t, p) takes tile t's probabilities (0 where masked) against the new running max; *m
+// becomes that max, *sum the probabilities' lane sums, *corr the factor for what was summed before.
+// False (nothing stored or changed) when no key of the tiles is visible to the row.
+template <typename Store>
+inline bool softmax_step(const __m512* sv, const __mmask16* mk, int64_t ng, float* m, __m512* sum, float* corr,
+                         Store&& store) {
+  __m512 vmax = sv[0];
+  for (int64_t t = 1; t < ng; ++t) vmax = _mm512_max_ps(vmax, sv[t]);
+  const float gmax = _mm512_reduce_max_ps(vmax);
+  if (gmax == -std::numeric_limits<float>::infinity()) return false;
+  const float mx = std::max(*m, gmax);
+  const __m512 mxv = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ng; ++t) {
+    const __m512 p = _mm512_maskz_mov_ps(mk[t], exp_ps16(_mm512_sub_ps(sv[t], mxv)));
+    acc = _mm512_add_ps(acc, p);
+    store(t, p);
+  }
+  *corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
+  *m = mx;
+  *sum = acc;
+  return true;
 }
 
 // Tiles per softmax step: the scores of up to KG tiles (64 keys) are taken together, so a row's
@@ -901,39 +942,23 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
         for (int64_t r = 0; r < rows; ++r) {
           __m512 sv[KG];
           __mmask16 mk[KG];
-          __m512 vmax = ninf;
           for (int64_t t = 0; t < ng; ++t) {
-            const int64_t a = w > 0 ? std::max<int64_t>(0, qpos[r] - w + 1 - kpos[t]) : 0;
-            const int64_t z = std::min<int64_t>(ntl[t], qpos[r] - kpos[t] + 1);
-            mk[t] = a >= z ? 0 : _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(a)), _CMP_GE_OQ) &
-                                     _mm512_cmp_ps_mask(iota, _mm512_set1_ps(static_cast<float>(z)), _CMP_LT_OQ);
+            mk[t] = visible_keys(qpos[r], w, kpos[t], ntl[t], iota);
             sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT),
                                        _mm512_mul_ps(scv, _mm512_loadu_ps(ksc[t])));
-            vmax = _mm512_max_ps(vmax, sv[t]);
           }
           uint32_t* pw = Pw.data() + r * ps;
-          const float gmax = _mm512_reduce_max_ps(vmax);
-          if (gmax == -std::numeric_limits<float>::infinity()) {  // no key of these tiles is visible to row r
+          __m512 sum;
+          float corr;
+          if (!softmax_step(sv, mk, ng, &m[r], &sum, &corr, [&](int64_t t, __m512 p) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
+              })) {  // no key of these tiles is visible to row r
             std::memset(pw, 0, ng * KT * 2);
             continue;
           }
-          const float mx = std::max(m[r], gmax);
-          const __m512 mxv = _mm512_set1_ps(mx);
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t t = 0; t < ng; ++t) {
-            const __m512 p = _mm512_maskz_mov_ps(mk[t], exp_ps16(_mm512_sub_ps(sv[t], mxv)));
-            sum = _mm512_add_ps(sum, p);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
-          }
-          const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[r] - mx);
           l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
-          m[r] = mx;
-          if (corr != 1.f) {
-            float* orow = O.data() + r * d;
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(orow + e, _mm512_mul_ps(_mm512_loadu_ps(orow + e), cv));
-          }
+          rescale_row(O.data() + r * d, d, corr);
         }
         pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
         ng = 0;
@@ -954,6 +979,7 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
     }
   });
 }
+#include "paged_int8.h"  // the int8-dot path (AVX512-VNNI)
 #endif  // KVSERVE_BF16DOT
 #endif  // KVSERVE_AVX2
 
@@ -979,6 +1005,14 @@ bool bf16dot_available() {
 #endif
 }
 
+bool int8dot_available() {
+#ifdef KVSERVE_INT8DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool tiled_available() {
 #ifdef KVSERVE_AVX2
   return true;
@@ -991,9 +1025,11 @@ bool tiled_available() {
 // queries at rows q_start[s].. (positions seq_len[s] - q_len[s] ..), window[s] (0 = none), block
 // table row s of ``tables`` [S, n] int64. ``k_base``/``v_base``: any tensor whose storage holds
 // that side's blocks (see the header for the params). ``shadow`` [2, W, bs, kvh, d] or empty.
-// impl: 0 the fastest path that covers the case: bf16-dot (AVX512-BF16 builds: bf16 q on the bf16
-// pool or the int8 / fp8 pools (a bf16 shadow allowed), head_dim % 32 == 0), else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar;
-// 1 scalar; 2 tiled where it exists (never bf16-dot), else scalar.
+// impl: 0 the fastest path that covers the case: int8-dot (AVX512-VNNI builds: bf16 q on an int8
+// pool, both sides, no shadows, head_dim % 32 == 0 and <= 128), else bf16-dot (AVX512-BF16 builds:
+// bf16 q on the bf16 pool or the int8 / fp8 pools (a bf16 shadow allowed), head_dim % 32 == 0),
+// else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar; 1 scalar; 2 tiled where it exists
+// (never a dot path), else scalar; 3 as 0 without the int8-dot path.
 void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor seq_len, torch::Tensor window, torch::Tensor tables, double scale,
                      int64_t block_size, int64_t kv_heads, torch::Tensor k_base, std::vector<int64_t> k_params,
@@ -1029,9 +1065,16 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
   const int64_t stride = tables.size(1);
   const int64_t d = q.size(2);
   const bool tiled = impl != 1 && tiled_available() && d % 8 == 0;
+#ifdef KVSERVE_INT8DOT
+  if (impl == 0 && q.scalar_type() == at::kBFloat16 && ks.kind == 3 && vs.kind == 3 && shadow.numel() == 0 &&
+      d % 32 == 0 && d <= 128) {
+    run_int8dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, tile);
+    return;
+  }
+#endif
 #ifdef KVSERVE_BF16DOT
   auto bf16_side = [](const Side& x) { return x.kind == 0 || x.kind == 3 || x.kind == 4; };  // bf16, int8, fp8
-  if (impl == 0 && q.scalar_type() == at::kBFloat16 && bf16_side(ks) && bf16_side(vs) &&
+  if ((impl == 0 || impl == 3) && q.scalar_type() == at::kBFloat16 && bf16_side(ks) && bf16_side(vs) &&
       (shadow.numel() == 0 || shk.kind == 0) && d % 32 == 0) {
     run_bf16dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
     return;
@@ -1064,6 +1107,8 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over block tables (decode and prefill chunks)");
   m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
+  m.def("int8dot_available", &int8dot_available,
+        "whether this build has the int8-dot path (AVX512-VNNI: bf16 queries on an int8 pool)");
   m.def("bf16dot_available", &bf16dot_available,
         "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16, int8 or fp8 pool)");
 }
