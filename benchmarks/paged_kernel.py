@@ -5,8 +5,10 @@ Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), me
 
 * ``write``: the layer's K/V write of the step (int8: the encode);
 * ``scalar`` / ``tiled`` / ``kernel``: the kernel call alone (``attention_native.run_kernel``, IMPL 1 / 2 /
-  0; ``kernel`` is what kvserve runs: the bf16-dot path where the build has AVX512-BF16 and the
-  case is bf16 on the bf16 pool, else the tiled one);
+  0; ``kernel`` is what kvserve runs: on an int8 pool the int8-dot path where the build has
+  AVX512-VNNI, else the bf16-dot path where it has AVX512-BF16, else the tiled one);
+* ``no_int8dot``: the kernel with the int8-dot path off (IMPL 3: the bf16-dot path on the int8
+  pool; on a bf16 pool the same as ``kernel``), timed alternately with ``kernel``;
 * ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``);
 * with ``--rev REV``: ``kernel@REV``, the kernel as it was at git revision REV, built beside the
   working tree's (``benchmarks/revision_build.py``) and timed alternately with ``kernel``, so the
@@ -113,10 +115,17 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple
     out = torch.empty_like(q)
     res = {"write": median_us(lambda: layer.write(c["kv"], c["kv"], meta.slot_mapping), repeats)}
     if mod is not None and src is not None:
-        for name, impl in (("scalar", 1), ("tiled", 2), ("kernel", 0)):
+        for name, impl in (("scalar", 1), ("tiled", 2)):
             attention_native.IMPL = impl
             res[name] = median_us(lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
                                   repeats)
+
+        def with_impl(impl: int) -> Callable[[], None]:
+            def run() -> None:
+                attention_native.IMPL = impl
+                attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5)
+            return run
+        res.update(alternating_us({"kernel": with_impl(0), "no_int8dot": with_impl(3)}, repeats))
         attention_native.IMPL = 0
         if old is not None:
             res.update(alternating_us({
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         old = (a.rev, build_revision(a.rev, "kvserve/native/csrc/paged_attention.cpp"))
     results: dict[str, dict[str, dict[str, float]]] = {}
     rev_col = f"  kernel@{a.rev}" if a.rev else ""
-    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'torch':>9}{rev_col}   (µs; "
+    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'no_i8dot':>9} {'torch':>9}{rev_col}   (µs; "
           f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
@@ -163,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             r = measure(codec, shape, a.repeats, torch.bfloat16, old)
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
-                  f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} {r['torch']:>9.0f}"
+                  f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} "
+                  f"{r.get('no_int8dot', float('nan')):>9.0f} {r['torch']:>9.0f}"
                   + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else ""),
                   flush=True)
     doc = {"cpu": cpu, "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,

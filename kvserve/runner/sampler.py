@@ -2,9 +2,9 @@
 
 A row first goes through the request's logits processors (penalties, logit bias, masks, min_tokens:
 :mod:`kvserve.runner.logits_processors`) and its grammar (``response_format``:
-:mod:`kvserve.runner.structured`), when it has any. Greedy rows then take the argmax. Other rows
-apply temperature, then min-p, then top-k, then top-p, then draw
-from the softmax with a generator seeded by ``(request seed, output index)``: a draw is a pure
+:mod:`kvserve.runner.structured`), when it has any. Greedy rows then take the argmax
+(:func:`kvserve.native.argmax.argmax_rows`: torch.argmax's indices, natively). Other rows apply
+temperature, then min-p, then top-k, then top-p, then draw from the softmax with a generator seeded by ``(request seed, output index)``: a draw is a pure
 function of the request and the position, so a request draws the same tokens whatever else
 shares its batch, after a preemption, in another process or on another replica.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.contract import TokenLogprobs
+from kvserve.native.argmax import argmax_rows
 from kvserve.runner.inputs import SampleRow
 from kvserve.runner.logits_processors import apply_logits_processors, apply_min_p, needs_processing
 from kvserve.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class Sampler:
         """logits: ``[S, V]``, one row per entry of ``rows``. A row whose sampling raises yields
         the exception instead of a token (that request fails; the others are unaffected)."""
         logits = logits.float().cpu()
-        greedy_ids = torch.argmax(logits, dim=-1).tolist()
+        greedy_ids = argmax_rows(logits).tolist()
         out: list[tuple[int, TokenLogprobs | None] | Exception] = []
         for scores, row, greedy_id in zip(logits, rows, greedy_ids):
             try:
@@ -69,7 +70,7 @@ class Sampler:
                                                  state.token_ids[p:p + row.output_index], state.eos_token_ids)
             if matcher is not None:
                 row_logits = matcher.apply(row_logits)  # type: ignore[attr-defined]
-            greedy_id = int(torch.argmax(row_logits))
+            greedy_id = int(argmax_rows(row_logits[None])[0])
         if params.greedy:
             token, scores = greedy_id, row_logits
         else:
