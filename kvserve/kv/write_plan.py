@@ -64,8 +64,10 @@ class PlanBuilder:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
         total = sum(len(w.rows) for w in self.writes.values())
-        token_writes = {pid: TokenWrite(t(w.rows), t(w.blocks), t(w.offsets), w.rows == list(range(total)))
-                        for pid, w in self.writes.items()}
+        token_writes = {}
+        for pid, w in self.writes.items():  # one tensor per pair, three views of it
+            rows, blocks, offsets = t(w.rows + w.blocks + w.offsets).split(len(w.rows))
+            token_writes[pid] = TokenWrite(rows, blocks, offsets, w.rows == list(range(total)))
         finalize = [(pid, Finalize(t(b), t(r), None)) for pid, (b, r) in self.direct.items()]
         finalize += [(pid, Finalize(t(b), None, t(s))) for pid, (b, s) in self.from_shadow.items()]
         if self.sh_rows:

@@ -85,8 +85,12 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
             logits_indices.append(query_start[-1] - c.num_sample + j)
             rows.append(SampleRow(state, c.end - c.num_sample + j + 1 - state.num_prompt_tokens))
         counts.append(c.num_sample)
+    # one tensor for the four index vectors (one allocation and copy a step, not four); views of it
+    flat = torch.tensor(ids + positions + slots + logits_indices, dtype=torch.long, device=device)
+    t = len(ids)
+    input_ids, position_t, slot_t, logits_t = flat.split([t, t, t, len(logits_indices)])
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=slot_t,
         query_start_loc=query_start,
         seq_lens=seq_lens,
         block_tables=[t.to(device) for t in tables],
@@ -102,10 +106,10 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
         meta.backend = backend
         meta.plan = backend.plan(meta, kv_shape, device)
     return ModelInputs(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=input_ids,
+        positions=position_t,
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        logits_indices=logits_t,
         sample_rows=rows,
         sample_counts=counts,
     )

@@ -124,17 +124,23 @@ def int8_regions(nb: int, bs: int, kvh: int, d: int) -> tuple[torch.Tensor, dict
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_write_is_the_codecs_encode_and_scatter_bit_for_bit(ext, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("t,d", [(7, 64), (7, 40), (37, 128)])  # d 40: the scalar rows (not 16-wide)
+def test_int8_write_is_the_codecs_encode_and_scatter_bit_for_bit(ext, dtype: torch.dtype, t: int, d: int) -> None:  # type: ignore[no-untyped-def]
     from kvserve.kv.layer_kv import put_tokens
     from kvserve.kv.quant import Int8Codec
 
-    t, kvh, d = 7, 2, 64
+    kvh = 2
     x = (rand(t, kvh, d, dtype=dtype) * 3).to(dtype)
     x[1, 0] = 0  # amax 0: the floor scale, all-zero codes
     x[2, 1, :4] = torch.tensor([127.0, 63.5, -0.5, 1.5]).to(dtype)  # ties at x/scale = k + 0.5: half to even
     x[3, 0] *= 1000
-    blocks = torch.tensor([5, 0, 3, 3, 9, 1, 5])
-    offsets = torch.tensor([0, 2, 1, 3, 2, 0, 3])
+    x[4, 1, 5] = -x[4, 1].abs().max() * 2  # the row's largest magnitude negative
+    if t == 7:
+        blocks = torch.tensor([5, 0, 3, 3, 9, 1, 5])
+        offsets = torch.tensor([0, 2, 1, 3, 2, 0, 3])
+    else:  # more tokens than one thread's share: written in parallel, each to its own slot
+        slots = torch.randperm(40, generator=torch.Generator().manual_seed(t))[:t]
+        blocks, offsets = slots // 4, slots % 4
     mine, views = int8_regions(10, 4, kvh, d)
     ref, ref_views = int8_regions(10, 4, kvh, d)
     assert fused.int8_write(x, views, blocks, offsets)

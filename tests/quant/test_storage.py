@@ -224,7 +224,9 @@ def test_copy_on_write_copies_bytes_state_and_shadow() -> None:
     assert src in s.shadow_of and dst in s.shadow_of and s.fill[dst] == s.fill[src] == 2
     for layer in range(s.num_layers):
         lk = s._layers[layer]
-        assert torch.equal(lk.gather_blocks(torch.tensor([src])), lk.gather_blocks(torch.tensor([dst])))
+        # the 2 rows written (the rest of the block is whatever the pool and shadow held: may be NaN)
+        a, b = lk.gather_blocks(torch.tensor([src])), lk.gather_blocks(torch.tensor([dst]))
+        assert torch.equal(a[:, :, :2], b[:, :, :2])
 
 
 def test_a_small_window_reclaims_idle_shadows_and_seals_their_groups() -> None:

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -225,29 +225,73 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t width, int64_t round_code) {
 
 }  // namespace
 
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+// One head row's encode (dim values at src): its scale and codes, the scalar way.
+template <typename T>
+__attribute__((optimize("no-fast-math"))) float int8_head_scalar(const T* src, int64_t dim, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(f(src[d])));
+  float s = amax / 127.0f;
+  if (!(s >= 1e-12f)) s = s != s ? s : 1e-12f;  // clamp_min, NaN kept as torch keeps it
+  for (int64_t d = 0; d < dim; ++d) {
+    float r = std::nearbyint(f(src[d]) / s);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  return s;
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 widen16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// The same, 16 lanes at a time (dim % 16 == 0): every operation is the scalar one per lane (the
+// IEEE division, round-half-even, the clamps' NaN rules: max(NaN, a) and max(a, |NaN|) give a), so
+// the codes and scale are the scalar path's, bit for bit.
+template <typename T>
+__attribute__((optimize("no-fast-math"))) float int8_head_avx512(const T* src, int64_t dim, int8_t* dst) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) mx = _mm512_max_ps(_mm512_abs_ps(widen16(src + d)), mx);
+  float s = _mm512_reduce_max_ps(mx) / 127.0f;
+  if (!(s >= 1e-12f)) s = s != s ? s : 1e-12f;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(widen16(src + d), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+  }
+  return s;
+}
+#endif
+
+template <typename T>
+inline float int8_head(const T* src, int64_t dim, int8_t* dst) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) return int8_head_avx512(src, dim, dst);
+#endif
+  return int8_head_scalar(src, dim, dst);
+}
+
 // int8 KV encode + scatter (kvserve.kv.quant.Int8Codec.encode_tokens, then put_tokens): per token
 // and KV head, scale = max(amax / 127, 1e-12) and q = clamp(round_half_even(x / scale), -127, 127),
 // written to (blocks[t], offsets[t]) of the codec's field views. Built without fast-math so every
 // division and rounding is the IEEE one torch's ops do: the codes are torch's, bit for bit.
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
 template <typename T>
-__attribute__((optimize("no-fast-math"))) void int8_rows(
-    const T* x, float* scale, int8_t* q, const int64_t* blocks, const int64_t* offsets, int64_t tokens,
-    int64_t heads, int64_t dim, int64_t sb, int64_t so, int64_t qb, int64_t qo) {
+void int8_rows(const T* x, float* scale, int8_t* q, const int64_t* blocks, const int64_t* offsets, int64_t tokens,
+               int64_t heads, int64_t dim, int64_t sb, int64_t so, int64_t qb, int64_t qo) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
-      const T* src = x + (t * heads + h) * dim;
-      float amax = 0.f;
-      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(f(src[d])));
-      float s = amax / 127.0f;
-      if (!(s >= 1e-12f)) s = s != s ? s : 1e-12f;  // clamp_min, NaN kept as torch keeps it
-      scale[blocks[t] * sb + offsets[t] * so + h] = s;
-      int8_t* dst = q + blocks[t] * qb + offsets[t] * qo + h * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        float r = std::nearbyint(f(src[d]) / s);
-        dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
-      }
+      scale[blocks[t] * sb + offsets[t] * so + h] =
+          int8_head(x + (t * heads + h) * dim, dim, q + blocks[t] * qb + offsets[t] * qo + h * dim);
     }
   }
 }
@@ -278,8 +322,11 @@ void int8_write(const at::Tensor& x, at::Tensor& scale, at::Tensor& q, const at:
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* o = offsets.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_write", [&] {
-    int8_rows<scalar_t>(x.data_ptr<scalar_t>(), scale.data_ptr<float>(), q.data_ptr<int8_t>(), b, o, T, H, D,
-                        scale.stride(0), scale.stride(1), q.stride(0), q.stride(1));
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {  // each token its own slot
+      int8_rows<scalar_t>(xp + t0 * H * D, scale.data_ptr<float>(), q.data_ptr<int8_t>(), b + t0, o + t0, t1 - t0,
+                          H, D, scale.stride(0), scale.stride(1), q.stride(0), q.stride(1));
+    });
   });
 }
 
