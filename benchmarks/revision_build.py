@@ -1,7 +1,8 @@
 """A native kernel as it was at a git revision, built as a module of its own, so that a benchmark
 can run it beside the working tree's build in one process (A/B on a noisy host).
 
-The revision's source is written under the native build cache, keyed by its content, and built
+The revision's source (and the local headers it includes) is written under the native build
+cache, keyed by its content, and built
 with the flags :mod:`kvserve.native` uses; the module name carries the key, so two revisions (or
 a revision and the working tree) never share a loaded module.
 """
@@ -9,6 +10,7 @@ a revision and the working tree) never share a loaded module.
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -24,11 +26,20 @@ def build_revision(rev: str, source: str) -> ModuleType:
     ``rev``, built and loaded."""
     from torch.utils import cpp_extension
 
-    text = subprocess.run(["git", "show", f"{rev}:{source}"], cwd=ROOT, check=True, capture_output=True).stdout
-    name = f"{Path(source).stem}_at_{hashlib.sha256(text).hexdigest()[:12]}"
+    def show(path: str) -> bytes:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
+
+    text = show(source)
+    # the revision's own local headers (#include "x.h" beside the source), written beside it
+    headers = {h: show(str(Path(source).parent / h)) for h in re.findall(rb'#include "([^"]+)"', text)
+               for h in [h.decode()]}
+    key = hashlib.sha256(text + b"".join(headers[h] for h in sorted(headers))).hexdigest()[:12]
+    name = f"{Path(source).stem}_at_{key}"
     build = cache_dir() / "native" / name
     build.mkdir(parents=True, exist_ok=True)
     src = build / f"{name}.cpp"
     src.write_bytes(text)
+    for h, body in headers.items():
+        (build / h).write_bytes(body)
     return cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build), extra_cflags=FLAGS,
                               extra_ldflags=["-fopenmp"], verbose=False)
