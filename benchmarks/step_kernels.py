@@ -11,12 +11,15 @@ Two measurements behind docs/model-runtime.md and docs/benchmarks.md, on the Qwe
   at 512, 2048 and 3520 context, 16 decodes at 384, a 65-token chunk over 3520 keys, and a
   512-token prefill; ×24 gives the per-step cost.
 
-    python benchmarks/kernels.py              # ~3 min on 2 cores
-    python benchmarks/kernels.py --threads 1
+    python benchmarks/step_kernels.py              # ~3 min on 2 cores
+    python benchmarks/step_kernels.py --threads 1
 
 Both variants of each GEMM row count are timed alternately (median of ``--repeats``), so a drift
 in the machine's bandwidth hits them alike. Prints a table and writes JSON
 (default ``benchmarks/results/kernels.json``).
+
+(Named step_kernels, not kernels: a module ``kernels`` in the script's folder shadowed the
+``kernels`` package transformers imports, and broke throughput.py's transformers worker.)
 """
 
 from __future__ import annotations
