@@ -87,8 +87,8 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
         counts.append(c.num_sample)
     # one tensor for the four index vectors (one allocation and copy a step, not four); views of it
     flat = torch.tensor(ids + positions + slots + logits_indices, dtype=torch.long, device=device)
-    t = len(ids)
-    input_ids, position_t, slot_t, logits_t = flat.split([t, t, t, len(logits_indices)])
+    n = len(ids)
+    input_ids, position_t, slot_t, logits_t = flat.split([n, n, n, len(logits_indices)])
     meta = AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=query_start,
