@@ -4,9 +4,10 @@ A row first goes through the request's logits processors (penalties, logit bias,
 :mod:`kvserve.runner.logits_processors`) and its grammar (``response_format``:
 :mod:`kvserve.runner.structured`), when it has any. Greedy rows then take the argmax
 (:func:`kvserve.native.argmax.argmax_rows`: torch.argmax's indices, natively). Other rows apply
-temperature, then min-p, then top-k, then top-p, then draw from the softmax with a generator seeded by ``(request seed, output index)``: a draw is a pure
-function of the request and the position, so a request draws the same tokens whatever else
-shares its batch, after a preemption, in another process or on another replica.
+temperature, then min-p, then top-k, then top-p, then draw from the softmax with a generator
+seeded by ``(request seed, output index)``: a draw is a pure function of the request and the
+position, so a request draws the same tokens whatever else shares its batch, after a
+preemption, in another process or on another replica.
 """
 
 from __future__ import annotations
