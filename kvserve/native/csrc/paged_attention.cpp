@@ -908,6 +908,37 @@ inline bool softmax_step(const __m512* sv, const __mmask16* mk, int64_t ng, floa
 // 4 tiles on prefill chunks, benchmarks/paged_kernel.py --rev).
 constexpr int64_t KG = 8;
 
+// One flush's online softmax for every row of a task (row r = query token r / g, head r % g):
+// row r's scores are S[r * ss + t * KT ..] times kss[t], masked to the keys its token sees (the
+// masks computed once per token); store(pw, t, p) writes tile t's probabilities into the row's P
+// words pw (zeroed when no key of the tiles is visible to it); m, the 16-lane sums lv and the
+// output rows O are carried over with the correction.
+template <typename Store>
+inline void softmax_rows(int64_t rows, int64_t g, const int64_t* qpos, int64_t w, const int64_t* kpos,
+                         const int64_t* ntl, int64_t ng, const __m512* kss, const float* S, int64_t ss, uint32_t* Pw,
+                         int64_t ps, float* m, float* lv, float* O, int64_t d, Store&& store) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 mk[KG];
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r % g == 0) {  // a new query token: its masks
+      for (int64_t t = 0; t < ng; ++t) mk[t] = visible_keys(qpos[r], w, kpos[t], ntl[t], iota);
+    }
+    __m512 sv[KG];
+    for (int64_t t = 0; t < ng; ++t) sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S + r * ss + t * KT), kss[t]);
+    uint32_t* pw = Pw + r * ps;
+    __m512 sum;
+    float corr;
+    if (!softmax_step(sv, mk, ng, &m[r], &sum, &corr, [&](int64_t t, __m512 p) { store(pw, t, p); })) {
+      std::memset(pw, 0, ng * KT * 2);
+      continue;
+    }
+    float* lr = lv + r * 16;
+    _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr), sum));
+    rescale_row(O + r * d, d, corr);
+  }
+}
+
 void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
                  const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
                  int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
@@ -928,8 +959,6 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
     int64_t kpos[KG], ntl[KG], ng = 0;
     const uint16_t* row[KT];
     float ksc[KG][KT], vsc[KG][KT];
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __m512 scv = _mm512_set1_ps(scale);
     for (int64_t task = begin; task < end; ++task) {
       const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
@@ -945,28 +974,11 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
       auto flush = [&]() {
         __m512 kss[KG];
         for (int64_t t = 0; t < ng; ++t) kss[t] = _mm512_mul_ps(scv, _mm512_loadu_ps(ksc[t]));
-        __mmask16 mk[KG];
-        for (int64_t r = 0; r < rows; ++r) {
-          if (r % g == 0) {  // a new query token: its masks
-            for (int64_t t = 0; t < ng; ++t) mk[t] = visible_keys(qpos[r], w, kpos[t], ntl[t], iota);
-          }
-          __m512 sv[KG];
-          for (int64_t t = 0; t < ng; ++t)
-            sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT), kss[t]);
-          uint32_t* pw = Pw.data() + r * ps;
-          __m512 sum;
-          float corr;
-          if (!softmax_step(sv, mk, ng, &m[r], &sum, &corr, [&](int64_t t, __m512 p) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
-              })) {  // no key of these tiles is visible to row r
-            std::memset(pw, 0, ng * KT * 2);
-            continue;
-          }
-          float* lr = lv.data() + r * 16;
-          _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr), sum));
-          rescale_row(O.data() + r * d, d, corr);
-        }
+        softmax_rows(rows, g, qpos.data(), w, kpos, ntl, ng, kss, S.data(), ss, Pw.data(), ps, m.data(), lv.data(),
+                     O.data(), d, [&](uint32_t* pw, int64_t t, __m512 p) {
+                       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
+                                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
+                     });
         pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
         ng = 0;
       };

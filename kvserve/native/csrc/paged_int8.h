@@ -187,6 +187,7 @@ inline void pv_int8_rows_c(const uint32_t* Pw, int64_t ps, const int16_t* Vw, in
 
 // Tiles per softmax step of this path: 128 keys (P V sums at most 128 x 32767 x 128 < 2^31).
 constexpr int64_t KG8 = 8;
+static_assert(KG8 <= KG, "softmax_rows holds at most KG tiles");
 
 void run_int8dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
                  const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
@@ -211,8 +212,6 @@ void run_int8dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
     int64_t kpos[KG8], ntl[KG8], ng = 0;
     const int8_t* row[KT];
     float ksc[KG8][KT], vsc[KG8][KT];
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __m512 scv = _mm512_set1_ps(scale);
     for (int64_t task = begin; task < end; ++task) {
       const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
@@ -236,29 +235,12 @@ void run_int8dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
         const float vm = _mm512_reduce_max_ps(vmx);
         const __m512 inv = _mm512_set1_ps(vm > 0.f ? P_RANGE / vm : 0.f);
         std::fill(psc.begin(), psc.begin() + rows, vm / P_RANGE);
-        __mmask16 mk[KG8];
-        for (int64_t r = 0; r < rows; ++r) {
-          if (r % g == 0) {  // a new query token: its masks
-            for (int64_t t = 0; t < ng; ++t) mk[t] = visible_keys(qpos[r], w, kpos[t], ntl[t], iota);
-          }
-          __m512 sv[KG8];
-          for (int64_t t = 0; t < ng; ++t)
-            sv[t] = _mm512_mask_mul_ps(ninf, mk[t], _mm512_loadu_ps(S.data() + r * ss + t * KT), kss[t]);
-          uint32_t* pw = Pw.data() + r * ps;
-          __m512 sum;
-          float corr;
-          if (!softmax_step(sv, mk, ng, &m[r], &sum, &corr, [&](int64_t t, __m512 p) {
-                const __m512 pi = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t])), inv);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
-                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(pi)));
-              })) {  // no key of these tiles is visible to row r
-            std::memset(pw, 0, ng * KT * 2);
-            continue;
-          }
-          float* lr = lv.data() + r * 16;
-          _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr), sum));
-          rescale_row(O.data() + r * d, d, corr);
-        }
+        softmax_rows(rows, g, qpos.data(), w, kpos, ntl, ng, kss, S.data(), ss, Pw.data(), ps, m.data(), lv.data(),
+                     O.data(), d, [&](uint32_t* pw, int64_t t, __m512 p) {
+                       const __m512 pi = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t])), inv);
+                       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
+                                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(pi)));
+                     });
         const int64_t pairs = ng * KT / 2;
         if (d % 64 == 0) pv_int8_rows_c<4>(Pw.data(), ps, Vw.data(), pairs, rows, d, psc.data(), O.data());
         else pv_int8_rows_c<2>(Pw.data(), ps, Vw.data(), pairs, rows, d, psc.data(), O.data());
