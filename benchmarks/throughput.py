@@ -14,6 +14,14 @@ its own. Measured per engine:
     python benchmarks/throughput.py                       # full run, ~15 min on 2 cores
     python benchmarks/throughput.py --quick               # shorter prompts/decodes, a smoke run
     python benchmarks/throughput.py --engines kvserve,transformers
+    python benchmarks/throughput.py --device cuda --engines kvserve,kvserve-eager,transformers
+
+``--device cuda`` runs kvserve and transformers on the GPU (llama.cpp is not run there); the
+bandwidth bound is then the GPU's read bandwidth, measured the same way, and ``kvserve-eager`` is
+kvserve with its decode CUDA graphs off (``KVSERVE_CUDA_GRAPHS=0``), so the graphs' gain is a
+ratio in the same run. On CUDA each engine first runs a warm-up at every context and batch shape
+(kvserve captures its graphs there, transformers' kernels are loaded), and the GPU's peak memory
+is reported.
 
 Prints a table and writes JSON (default benchmarks/results/throughput.json). The machine is
 shared and noisy: every figure comes with its ratio to the others from the same run.
@@ -33,7 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
-ENGINES = ("kvserve", "transformers", "llama.cpp")
+ENGINES = ("kvserve", "transformers", "llama.cpp", "kvserve-eager")
+DEFAULT_ENGINES = ("kvserve", "transformers", "llama.cpp")
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,19 +68,30 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
     """Read bandwidth in GB/s with ``threads`` threads: the best of a few full passes summing a
-    large float32 array (torch's reduction splits it over the threads, as a GEMV does its rows)."""
+    large float32 array (torch's reduction splits it over the threads, as a GEMV does its rows);
+    on ``cuda`` the GPU's, the same way."""
     import torch
 
     torch.set_num_threads(threads)
-    a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         a.sum()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return a.numel() * 4 / best / 1e9
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work (timings on CUDA); nothing on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def ensure_model(path: Path, dtype: str) -> Path:
@@ -91,6 +111,9 @@ def single_stream(run_one, args: argparse.Namespace) -> dict:
     them alike), through an engine's ``run_one(prompt_ids, new_tokens) -> (ttft_s, s_per_token)``,
     after one warm-up request."""
     run_one(prompt_ids(64, 9), 4)
+    if args.device != "cpu":  # every shape timed below once first (kvserve captures its graphs)
+        for n in args.context:
+            run_one(prompt_ids(n, 8), 4)
     res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "decode_ms_runs": {n: [] for n in args.context}}
     for n in args.prefill:
         res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
@@ -107,7 +130,7 @@ def single_stream(run_one, args: argparse.Namespace) -> dict:
 def worker_kvserve(args: argparse.Namespace) -> dict:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="3GiB", num_threads=args.threads,
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="3GiB", num_threads=args.threads, device=args.device,
               max_num_batched_tokens=max(args.prefill), max_num_seqs=32, enable_prefix_caching=False)
     eng = llm.engine
 
@@ -124,9 +147,16 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
                     return first - t0, (end - first) / max(new - 1, 1)
 
     res = single_stream(run_one, args)
+    if args.device != "cpu":  # the batch shapes' graphs, captured before the timed runs
+        short = argparse.Namespace(**{**vars(args), "batch_new": 4})
+        kvserve_batched(eng, short, args.batch)
+        kvserve_batched(eng, short, max(1, args.batch // 2))
     res["batch_tok_s"], res["batch_decode_phase_tok_s"] = kvserve_batched(eng, args, args.batch)
     res["half_batch_decode_phase_tok_s"] = kvserve_batched(eng, args, max(1, args.batch // 2))[1]
     res["kv_bytes_per_token"] = eng.capacity.bytes_per_token
+    graphs = getattr(eng.runner, "graphs", None)
+    if graphs is not None:
+        res["cuda_graphs"] = {"captured": graphs.captures, "replays": graphs.replays}
     from kvserve.native.choices import choices
 
     res["kernel_choices"] = [{"role": c.role, "band": c.band, "choice": c.choice, "source": c.source}
@@ -164,27 +194,36 @@ def worker_transformers(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(args.device)
 
     @torch.inference_mode()
     def run_one(ids: list[int], new: int) -> tuple[float, float]:
         cache = DynamicCache(config=model.config)
+        sync(args.device)
         t0 = time.perf_counter()
-        logits = model(torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(torch.tensor([ids], device=args.device), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
         tok = logits[0, -1].argmax()
+        sync(args.device)
         first = time.perf_counter()
         for _ in range(new - 1):
             logits = model(tok.view(1, 1), past_key_values=cache, use_cache=True).logits
             tok = logits[0, -1].argmax()
+        sync(args.device)
         end = time.perf_counter()
         return first - t0, (end - first) / max(new - 1, 1)
 
     res = single_stream(run_one, args)
     with torch.inference_mode():
-        batch = torch.tensor([prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)])
+        batch = torch.tensor([prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)], device=args.device)
+        if args.device != "cpu":  # warm-up
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=4, do_sample=False,
+                           pad_token_id=0)
+        sync(args.device)
         t = time.perf_counter()
         out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.batch_new,
                              min_new_tokens=args.batch_new, do_sample=False, pad_token_id=0)
+        sync(args.device)
         dt = time.perf_counter() - t
     res["batch_tok_s"] = (out.shape[1] - batch.shape[1]) * args.batch / dt
     return res
@@ -269,15 +308,19 @@ def llama_cpp_batched(llm, args: argparse.Namespace, prompts: list[list[int]]) -
     return b * new / (t2 - t0), b * (new - 1) / (t2 - t1)
 
 
-WORKERS = {"kvserve": worker_kvserve, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
+WORKERS = {"kvserve": worker_kvserve, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp,
+           "kvserve-eager": worker_kvserve}
 
 
 def run_worker(engine: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", str(args.model), "--dtype", args.dtype,
-           "--threads", str(args.threads), "--repeats", str(args.repeats)]
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--device", args.device,
+           "--batch", str(args.batch)]
     if args.quick:
         cmd.append("--quick")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if engine == "kvserve-eager":
+        env["KVSERVE_CUDA_GRAPHS"] = "0"
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -291,7 +334,8 @@ def report(doc: dict) -> str:
     from rich.table import Table
 
     engines = [e for e in doc["engines"] if "error" not in doc["engines"][e]]
-    table = Table(title=f"Qwen2.5-0.5B shape, {doc['dtype']}, {doc['threads']} threads; "
+    where = f"on {doc['gpu']}" if doc.get("gpu") else f"{doc['threads']} threads"
+    table = Table(title=f"Qwen2.5-0.5B shape, {doc['dtype']}, {where}; "
                         f"read bandwidth {doc['bandwidth_gb_s']:.1f} GB/s (measured in this run)")
     table.add_column("metric")
     for e in engines:
@@ -315,6 +359,8 @@ def report(doc: dict) -> str:
     row("  decode phase only, tok/s", lambda d: d.get("batch_decode_phase_tok_s"))
     row(f"  {doc['batch'] // 2} requests, decode phase, tok/s", lambda d: d.get("half_batch_decode_phase_tok_s"))
     row("peak RSS (GiB)", lambda d: d["peak_rss_bytes"] / 2**30, "{:.2f}")
+    if doc.get("gpu"):
+        row("GPU peak allocated (GiB)", lambda d: d["gpu_peak_bytes"] / 2**30, "{:.2f}")
     console = Console(record=True, width=120, file=io.StringIO())
     if doc.get("cpu"):
         console.print(f"CPU: {doc['cpu']['model']}  flags: {' '.join(doc['cpu']['flags'])}")
@@ -329,7 +375,10 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=CACHE / "qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help=f"comma-separated, of {', '.join(ENGINES)}")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (kvserve and transformers on the GPU)")
+    ap.add_argument("--batch", type=int, default=None, help="concurrent requests (default 16; 4 with --quick)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="short prompts and decodes (smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
@@ -338,7 +387,8 @@ def main() -> None:
     args.prefill = [128, 256] if args.quick else [512, 2048]
     args.context = [128, 256] if args.quick else [512, 2048]
     args.decode_tokens = 16 if args.quick else 64
-    args.batch, args.batch_prompt, args.batch_new = (4, 64, 16) if args.quick else (16, 256, 128)
+    batch, args.batch_prompt, args.batch_new = (4, 64, 16) if args.quick else (16, 256, 128)
+    args.batch = args.batch or batch
     global VOCAB
     if (args.model / "config.json").exists():
         VOCAB = min(VOCAB, json.loads((args.model / "config.json").read_text())["vocab_size"])
@@ -346,6 +396,10 @@ def main() -> None:
     if args.worker:
         res = WORKERS[args.worker](args)
         res["peak_rss_bytes"] = peak_rss_bytes()
+        if args.device != "cpu":
+            import torch
+
+            res["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         print(json.dumps(res))
         return
 
@@ -353,12 +407,21 @@ def main() -> None:
 
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {args.threads}", file=sys.stderr)
+    gpu = None
+    if args.device != "cpu":
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+        print(f"GPU: {gpu}  torch {torch.__version__}", file=sys.stderr)
     ensure_model(args.model, args.dtype)
     wbytes = weights_bytes(args.model)
-    bw_start = measure_bandwidth(args.threads)
+    bw_start = measure_bandwidth(args.threads, device=args.device)
     results = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         if engine == "llama.cpp":
+            if args.device != "cpu":
+                results[engine] = {"error": ["llama.cpp runs on the CPU only here"]}
+                continue
             try:
                 import llama_cpp  # noqa: F401
             except ImportError:
@@ -369,8 +432,8 @@ def main() -> None:
         print(f"{engine}: {json.dumps(results[engine])}", file=sys.stderr)  # kept if the run is stopped
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))
-    bw = 0.5 * (bw_start + measure_bandwidth(args.threads))
-    doc = {"cpu": cpu, "command": " ".join(["python", "benchmarks/throughput.py", *sys.argv[1:]]), "dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
+    bw = 0.5 * (bw_start + measure_bandwidth(args.threads, device=args.device))
+    doc = {"cpu": cpu, "device": args.device, "gpu": gpu, "command": " ".join(["python", "benchmarks/throughput.py", *sys.argv[1:]]), "dtype": args.dtype, "threads": args.threads, "prefill": args.prefill, "context": args.context,
            "batch": args.batch, "batch_prompt": args.batch_prompt, "batch_new": args.batch_new,
            "weights_bytes": wbytes, "bandwidth_gb_s": bw, "bandwidth_gb_s_start": bw_start, "engines": results}
     kv_bpt = next((r.get("kv_bytes_per_token") for r in results.values() if r.get("kv_bytes_per_token")), 12288)
@@ -385,7 +448,7 @@ def main() -> None:
     ratios = {}
     if "kvserve" in ok:
         k = ok["kvserve"]
-        for other in ("llama.cpp", "transformers"):
+        for other in ("llama.cpp", "transformers", "kvserve-eager"):
             if other in ok:
                 o = ok[other]
                 for n in k["decode_tok_s"]:

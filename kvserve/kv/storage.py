@@ -207,14 +207,14 @@ class KVStorage:
                 slot = self._shadow_for_block(b, i, lo, hi, pair, short)
                 first_row = row0 + (i * bs + lo - c.start)
                 w = pb.writes.setdefault(self.block_pair[b], Writes())
-                for off in range(lo, hi):
-                    w.rows.append(first_row + off - lo)
-                    w.blocks.append(b)
-                    w.offsets.append(off)
-                    if slot is not None:
-                        pb.sh_rows.append(first_row + off - lo)
-                        pb.sh_slots.append(slot)
-                        pb.sh_offs.append(off)
+                n = hi - lo  # the run of rows first_row.. goes to offsets lo..hi-1 of block b
+                w.rows.extend(range(first_row, first_row + n))
+                w.blocks.extend([b] * n)
+                w.offsets.extend(range(lo, hi))
+                if slot is not None:
+                    pb.sh_rows.extend(range(first_row, first_row + n))
+                    pb.sh_slots.extend([slot] * n)
+                    pb.sh_offs.extend(range(lo, hi))
                 if pair.k_grouped and hi == bs:
                     if slot is None:  # the whole block is in this step's batch
                         d = pb.direct.setdefault(self.block_pair[b], ([], []))

@@ -41,12 +41,17 @@ class ModelInputs:
 
 def slots_for(block_ids: Sequence[int | None], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slots of positions ``start..end-1`` under ``block_ids`` (never a dropped entry)."""
-    out = []
-    for p in range(start, end):
-        b = block_ids[p // block_size]
+    out: list[int] = []
+    p = start
+    while p < end:  # one run per block: positions p..stop-1 sit at b * block_size + p % block_size
+        i = p // block_size
+        b = block_ids[i]
         if b is None:
             raise ValueError(f"position {p} falls in a dropped block; a step never writes there")
-        out.append(b * block_size + p % block_size)
+        stop = min(end, (i + 1) * block_size)
+        shift = (b - i) * block_size
+        out.extend(range(p + shift, stop + shift))
+        p = stop
     return out
 
 

@@ -35,6 +35,7 @@ from kvserve.model.attention_backends import DEFAULT_BACKEND
 from kvserve.model.attention_choice import backend_for
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.native.fused import _ext as fused_ops_module
+from kvserve.runner import decode_graphs
 from kvserve.runner.block_ops import run_block_ops
 from kvserve.runner.draft_runner import DraftRunner
 from kvserve.runner.inputs import ModelInputs, build_inputs
@@ -88,6 +89,13 @@ class ModelRunner:
         if self.storage.nbytes != capacity.allocated_bytes:
             raise RuntimeError(f"KV storage holds {self.storage.nbytes} bytes but capacity says "
                                f"{capacity.allocated_bytes}")
+        # Decode steps replayed as CUDA graphs (kvserve.runner.decode_graphs); None: every step eager.
+        self.graphs: decode_graphs.DecodeGraphs | None = None
+        if device.type == "cuda" and decode_graphs.enabled():
+            self.graphs = decode_graphs.DecodeGraphs(
+                model, capacity.block_size, model_config.sliding_window, device,
+                decode_graphs.bucket(capacity.num_blocks, decode_graphs.MIN_BLOCKS))
+        self._rows = torch.arange(decode_graphs.MAX_SEQS, device=device)  # a graph step's logits rows
 
     @property
     def kv_bytes(self) -> int:
@@ -99,6 +107,12 @@ class ModelRunner:
         self.storage.begin_step(chunks, [states[c.request_id].kv_codec for c in chunks])
         try:
             layers = self.storage.layers()
+            if self.graphs is not None and self.graphs.eligible(chunks, layers):  # type: ignore[arg-type]
+                inputs = build_inputs(chunks, states, self.capacity.block_size, self.config.sliding_window,
+                                      torch.device("cpu"))
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, layers)  # type: ignore[arg-type]
+                inputs.logits_indices = self._rows[:len(chunks)]
+                return hidden, inputs
             inputs = build_inputs(chunks, states, self.capacity.block_size, self.config.sliding_window,
                                   self.device, self.attention, layers[0].shape)
             hidden = self.model(inputs.input_ids, inputs.positions, layers, inputs.meta)

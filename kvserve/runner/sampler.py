@@ -3,7 +3,9 @@
 A row first goes through the request's logits processors (penalties, logit bias, masks, min_tokens:
 :mod:`kvserve.runner.logits_processors`) and its grammar (``response_format``:
 :mod:`kvserve.runner.structured`), when it has any. Greedy rows then take the argmax
-(:func:`kvserve.native.argmax.argmax_rows`: torch.argmax's indices, natively). Other rows apply
+(:func:`kvserve.native.argmax.argmax_rows`: torch.argmax's indices, natively). On a GPU, a step
+whose rows are all plain greedy (no processor, grammar or logprobs) takes the argmax there and
+copies only the ids to the host; any other row sends the step's logits to the host path. Other rows apply
 temperature, then min-p, then top-k, then top-p, then draw from the softmax with a generator
 seeded by ``(request seed, output index)``: a draw is a pure function of the request and the
 position, so a request draws the same tokens whatever else shares its batch, after a
@@ -51,6 +53,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprobs | None] | Exception]:
         """logits: ``[S, V]``, one row per entry of ``rows``. A row whose sampling raises yields
         the exception instead of a token (that request fails; the others are unaffected)."""
+        if logits.device.type != "cpu" and all(_plain_greedy(r) for r in rows):
+            return [(t, None) for t in logits.argmax(-1).tolist()]  # on the device: ids cross, not logits
         logits = logits.float().cpu()
         greedy_ids = argmax_rows(logits).tolist()
         out: list[tuple[int, TokenLogprobs | None] | Exception] = []
@@ -83,6 +87,12 @@ class Sampler:
         if matcher is not None:
             matcher.accept(token)  # type: ignore[attr-defined]
         return token, _logprobs(token, scores, params)
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    """A greedy row with no processor, grammar or logprobs: its token is the argmax alone."""
+    p = row.state.sampling
+    return p.greedy and p.logprobs is None and not needs_processing(p) and "matcher" not in row.state.extra
 
 
 def _logprobs(token: int, scores: torch.Tensor, params: SamplingParams) -> TokenLogprobs | None:

@@ -32,8 +32,9 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window:
     return (scores.softmax(-1) @ v).transpose(0, 1)                   # [q_len, H, D]
 
 
-def run_case(specs: list[tuple[int, int]], window: int | None, seed: int = 0) -> None:
-    """``specs``: (context before this step, new tokens) per sequence."""
+def run_case(specs: list[tuple[int, int]], window: int | None, seed: int = 0, device: str = "cpu") -> None:
+    """``specs``: (context before this step, new tokens) per sequence; the attention runs on
+    ``device`` (tests/cuda runs these cases on a GPU), the reference on the CPU."""
     g = torch.Generator().manual_seed(seed)
     cache = torch.full((2, NUM_BLOCKS, BS, KV_HEADS, D), float("nan"))
     free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
@@ -54,8 +55,10 @@ def run_case(specs: list[tuple[int, int]], window: int | None, seed: int = 0) ->
         slots += [int(table[p // BS]) * BS + p % BS for p in range(done, total)]
         qsl.append(qsl[-1] + new)
         lens.append(total)
-    meta = AttentionMetadata(torch.tensor(slots), qsl, lens, tables, BS, window)
-    out = paged_attention(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), cache, meta, D ** -0.5)
+    dev = torch.device(device)
+    meta = AttentionMetadata(torch.tensor(slots, device=dev), qsl, lens, [t.to(dev) for t in tables], BS, window)
+    out = paged_attention(torch.cat(q_rows).to(dev), torch.cat(k_new).to(dev), torch.cat(v_new).to(dev),
+                          cache.to(dev), meta, D ** -0.5).cpu()
     assert not out.isnan().any()
     for i, (keys, values) in enumerate(histories):
         ref = reference(q_rows[i], keys, values, window)
@@ -134,3 +137,56 @@ def test_plan_is_built_once_per_step_by_the_backend_and_layers_use_it() -> None:
     out = backend.forward(q, kv, kv, cache, marker, 1.0)
     torch.testing.assert_close(out[1], looped[1])
     assert not torch.allclose(out[0], looped[0])  # row 0 was never attended: the given plan was used
+
+
+def run_static_case(lens: list[int], window: int | None, seqs: int, blocks: int, device: str = "cpu",
+                    variant: str = "sdpa") -> None:
+    """The fixed-shape decode attention of CUDA graphs (``attention_static``): ``len(lens)`` decodes
+    (context after the step) padded to ``seqs`` rows and ``blocks`` blocks a table, padding rows
+    repeating the last real one, in a cache of NaN where nothing was written; the real rows match
+    the dense reference and the pool holds exactly the real rows' new K/V."""
+    from kvserve.model.attention_static import StaticDecodeBackend, static_plan
+
+    g = torch.Generator().manual_seed(len(lens))
+    dev = torch.device(device)
+    cache = torch.full((2, NUM_BLOCKS, BS, KV_HEADS, D), float("nan"))
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    n = len(lens)
+    rows = [min(i, n - 1) for i in range(seqs)]
+    tables = torch.zeros(seqs, blocks, dtype=torch.long)
+    hist, slots = [], []
+    for i, total in enumerate(lens):
+        nb = -(-total // BS)
+        table, free = free[:nb], free[nb:]
+        tables[i, :nb] = torch.tensor(table)
+        keys, values = torch.randn(total, KV_HEADS, D, generator=g), torch.randn(total, KV_HEADS, D, generator=g)
+        for p in range(total - 1):
+            cache[0, table[p // BS], p % BS], cache[1, table[p // BS], p % BS] = keys[p], values[p]
+        hist.append((keys, values))
+        slots.append(table[(total - 1) // BS] * BS + (total - 1) % BS)
+    tables[n:] = tables[n - 1]
+    q = torch.randn(n, HEADS, D, generator=g)[rows]
+    k, v = torch.stack([h[0][-1] for h in hist])[rows], torch.stack([h[1][-1] for h in hist])[rows]
+    src, seq_lens = torch.tensor(rows), torch.tensor(lens)[rows]
+    meta = AttentionMetadata(torch.tensor(slots)[rows].to(dev), list(range(seqs + 1)), [1] * seqs, [], BS, window)
+    meta.plan = static_plan(tables.to(dev), seq_lens.to(dev), src.to(dev), BS, window)
+    pool = cache.clone().to(dev)
+    out = StaticDecodeBackend(variant).forward(q.to(dev), k.to(dev), v.to(dev), pool, meta, D ** -0.5).cpu()
+    for i, (keys, values) in enumerate(hist):
+        torch.testing.assert_close(out[i], reference(q[i:i + 1], keys, values, window)[0], atol=1e-5, rtol=1e-5)
+        s = slots[i]
+        assert torch.equal(pool[0].view(-1, KV_HEADS, D)[s].cpu(), keys[-1])
+    written = pool.cpu().isnan().logical_not().view(2, -1, KV_HEADS * D).all(-1).sum().item()
+    assert written == cache.isnan().logical_not().view(2, -1, KV_HEADS * D).all(-1).sum().item() + 2 * n
+
+
+STATIC_CASES = {"equal": ([9, 9, 9], 4, 4), "unequal": ([3, 17, 8, 1], 8, 8), "one": ([13], 1, 4),
+                "padded-rows": ([5, 30, 2], 8, 16)}
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "matmul"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("case", list(STATIC_CASES))
+def test_static_decode_matches_dense_reference(case: str, window: int | None, variant: str) -> None:
+    lens, seqs, blocks = STATIC_CASES[case]
+    run_static_case(lens, window, seqs, blocks, variant=variant)
