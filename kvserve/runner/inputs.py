@@ -55,11 +55,13 @@ def slots_for(block_ids: Sequence[int | None], start: int, end: int, block_size:
     return out
 
 
-def held_table(block_ids: Sequence[int | None]) -> tuple[torch.Tensor, frozenset[int]]:
-    """The block table as a tensor (a dropped entry becomes block 0, never read) and the
-    logical indices of the dropped entries."""
+def held_table(block_ids: Sequence[int | None]) -> tuple[list[int], frozenset[int]]:
+    """The block table's ids (a dropped entry becomes block 0, never read) and the logical
+    indices of the dropped entries."""
+    if None not in block_ids:
+        return list(block_ids), frozenset()  # type: ignore[arg-type]
     dropped = frozenset(i for i, b in enumerate(block_ids) if b is None)
-    return torch.tensor([0 if b is None else b for b in block_ids], dtype=torch.long), dropped
+    return [0 if b is None else b for b in block_ids], dropped
 
 
 def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestState], block_size: int,
@@ -71,7 +73,8 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
     slots: list[int] = []
     query_start = [0]
     seq_lens: list[int] = []
-    tables: list[torch.Tensor] = []
+    table_ids: list[int] = []
+    table_lens: list[int] = []
     logits_indices: list[int] = []
     rows: list[SampleRow] = []
     counts: list[int] = []
@@ -84,21 +87,23 @@ def build_inputs(chunks: Sequence[ScheduledChunk], states: dict[str, RequestStat
         query_start.append(query_start[-1] + c.num_new_tokens)
         seq_lens.append(c.end)
         table, holes = held_table(c.block_ids)
-        tables.append(table)
+        table_ids.extend(table)
+        table_lens.append(len(table))
         dropped.append(holes)
         for j in range(c.num_sample):  # the chunk's last num_sample positions
             logits_indices.append(query_start[-1] - c.num_sample + j)
             rows.append(SampleRow(state, c.end - c.num_sample + j + 1 - state.num_prompt_tokens))
         counts.append(c.num_sample)
-    # one tensor for the four index vectors (one allocation and copy a step, not four); views of it
-    flat = torch.tensor(ids + positions + slots + logits_indices, dtype=torch.long, device=device)
+    # one tensor for the four index vectors and every block table (one allocation and one copy a
+    # step, not one per sequence); views of it
+    flat = torch.tensor(ids + positions + slots + logits_indices + table_ids, dtype=torch.long, device=device)
     n = len(ids)
-    input_ids, position_t, slot_t, logits_t = flat.split([n, n, n, len(logits_indices)])
+    input_ids, position_t, slot_t, logits_t, *tables = flat.split([n, n, n, len(logits_indices), *table_lens])
     meta = AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=query_start,
         seq_lens=seq_lens,
-        block_tables=[t.to(device) for t in tables],
+        block_tables=tables,
         block_size=block_size,
         sliding_window=sliding_window,
     )
