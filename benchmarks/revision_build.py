@@ -30,9 +30,15 @@ def build_revision(rev: str, source: str) -> ModuleType:
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
 
     text = show(source)
-    # the revision's own local headers (#include "x.h" beside the source), written beside it
-    headers = {h: show(str(Path(source).parent / h)) for h in re.findall(rb'#include "([^"]+)"', text)
-               for h in [h.decode()]}
+    # the revision's own local includes (#include "x.h" beside the source, and theirs in turn:
+    # decode_stack.cpp includes paged_attention.cpp, which includes paged_int8.h), written beside it
+    headers: dict[str, bytes] = {}
+    todo = [text]
+    while todo:
+        for h in re.findall(rb'#include "([^"]+)"', todo.pop()):
+            if h.decode() not in headers:
+                headers[h.decode()] = show(str(Path(source).parent / h.decode()))
+                todo.append(headers[h.decode()])
     key = hashlib.sha256(text + b"".join(headers[h] for h in sorted(headers))).hexdigest()[:12]
     name = f"{Path(source).stem}_at_{key}"
     build = cache_dir() / "native" / name

@@ -7,7 +7,9 @@ interleaved: decode ms per engine step at each batch size.
 The revision's ``kvserve/native/csrc/tiled_gemm.cpp`` is built under another module name (its own
 build directory in the native cache), and every ``kvserve_tiled`` module of one loaded engine
 (:class:`~kvserve.model.tiled_gemm.TiledLinear`) is switched between the two builds' ``gemm``
-round by round, the order alternating. So both kernels see the same weights, plan, KV and
+round by round, the order alternating, and so is the native layer loop that decode steps of up to
+64 tokens run (``kvserve/native/csrc/decode_stack.cpp``, which compiles the kernel in: the
+revision's stack is built beside the working tree's and swapped with it). So both kernels see the same weights, plan, KV and
 sequences, and a drift of a noisy host hits both alike (single decode steps ranged 36-80 ms in
 one process on the session-9 EPYC; the host's speed drifted 1.5x within minutes in session 10).
 Only the roles the plan puts on ``kvserve_tiled`` change; the table says how many modules those are.
@@ -34,6 +36,7 @@ from kvserve.bench.machine import cpu_info
 from kvserve.native.choices import choices
 
 SOURCE = "kvserve/native/csrc/tiled_gemm.cpp"
+STACK = "kvserve/native/csrc/decode_stack.cpp"
 
 
 def main() -> None:
@@ -49,11 +52,13 @@ def main() -> None:
     args = ap.parse_args()
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}  flags: {' '.join(cpu['flags'])}  threads: {args.threads}")
+    from kvserve.model import decode_stack
     from kvserve.model.tiled_gemm import TiledLinear, _ext
 
     kernels = {args.rev: build_revision(args.rev, SOURCE), "working tree": _ext()}
-    if kernels["working tree"] is None:
-        raise SystemExit("the tiled kernel does not build here (no AVX2/FMA/F16C or no compiler)")
+    stacks = {args.rev: build_revision(args.rev, STACK), "working tree": decode_stack._ext()}
+    if kernels["working tree"] is None or stacks["working tree"] is None:
+        raise SystemExit("the tiled kernel or the layer loop does not build here (no AVX2/FMA/F16C or no compiler)")
     llm = LLM(args.model, dtype="bfloat16", kv_cache_memory="2GiB", num_threads=args.threads, enable_prefix_caching=False)
     eng = llm.engine
     mods = [m for m in eng.runner.model.modules() if isinstance(m, TiledLinear)]
@@ -63,6 +68,7 @@ def main() -> None:
         def switch() -> None:
             for m in mods:
                 m._gemm = kernels[name].gemm
+            decode_stack._ext = lambda: stacks[name]  # read at every step (decode_stack.run_layers)
         return switch
 
     for b in [int(x) for x in args.batch.split(",")]:

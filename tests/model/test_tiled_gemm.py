@@ -46,7 +46,8 @@ def test_the_module_reads_the_weight_it_was_given_not_a_copy() -> None:
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (6, 16), (7, 24), (130, 1032)])
 def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
     """Both regimes (<= 16 rows: register dots over 4-row groups, the last one short when N is not
-    a multiple of 4, the rows in passes of 6, 4, 2 and 1 on the AVX512-BF16 path, which takes bf16
+    a multiple of 4, the rows in passes of 6, 4, 2 and 1 on the AVX512-BF16 path (8-row groups for
+    one or two input rows there), which takes bf16
     inputs of up to 64 rows, every mix of which some row count here takes; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
     rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
     every output dtype is that fp32 result rounded once."""
@@ -61,6 +62,24 @@ def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n:
         y = TiledLinear(w, bias, out)(x)
         assert y.dtype == out and torch.equal(y, y32.to(out))
     assert TiledLinear(w, None)(x).dtype == dtype  # default: the input's dtype
+
+
+@pytest.mark.parametrize("n", [8, 13, 130, 1029])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int) -> None:
+    """Every output is one dot product with its own accumulator and reduction, whichever weight
+    group size (8 rows for one or two input rows on the AVX512-BF16 path, 4 otherwise) and pass
+    the call takes: the same input row gives bit-equal outputs alone, in pairs, in fives and in
+    64s, so a decode step's result does not depend on its batch (and a batch of one equals the
+    per-layer path's)."""
+    k = 904  # not a multiple of 32: the masked tail step too
+    w = _w(n, k, torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    lin = TiledLinear(w, bias, torch.float32)
+    whole = lin(x)
+    for rows in (1, 2, 3, 5, 17):
+        for r0 in range(0, 64 - rows + 1, 13):
+            assert torch.equal(lin(x[r0:r0 + rows]), whole[r0:r0 + rows]), (rows, r0)
 
 
 def test_bf16_calls_of_few_rows_use_avx512_bf16_where_the_cpu_has_it() -> None:

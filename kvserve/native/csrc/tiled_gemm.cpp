@@ -134,28 +134,56 @@ struct Prefetch {
   }
 };
 
+constexpr int kSeqRows = 2;  // up to this many input rows, a group's weight rows one after another
+
+// acc[m][r] += dot(W row w[r], x row m) over K for the weight rows R0 <= r < R1 (compile-time, so
+// the accumulators stay in registers) and MT input rows.
+template <int MT, int R0, int R1>
+inline __attribute__((always_inline)) void dot_rows(__m512 (&acc)[MT][kRows], const uint16_t* const* w,
+                                                    const uint16_t* x, int64_t xs, int64_t k, Prefetch& pf) {
+  auto step = [&](int64_t j, __mmask32 mask) {
+    __m512bh wv[R1 - R0];
+#pragma GCC unroll 4
+    for (int r = 0; r < R1 - R0; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[R0 + r] + j);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R1 - R0; ++r) acc[m][R0 + r] = _mm512_dpbf16_ps(acc[m][R0 + r], wv[r], xv);
+    }
+  };
+  int64_t j = 0;
+  for (; j + 32 <= k; j += 32) {
+    pf.step();
+    step(j, ~__mmask32(0));  // all-ones mask: a plain load
+  }
+  if (j < k) step(j, (__mmask32(1) << (k - j)) - 1);
+}
+
 // out[m][0..3] = dot(W rows w[0..3], x row m) for MT input rows (bf16, xs apart), any K % 8 == 0.
+//
+// Up to kSeqRows input rows: one weight row after another, each read once from start to end, so a
+// group is read in address order, one sequential stream per thread that the hardware prefetchers
+// follow. The 4 rows side by side (4 streams 2K bytes apart) read the 0.5B shape's MLPs at
+// 0.70-0.78x a plain streaming read's bandwidth on a Zen 4 when the host's memory was free, this
+// order at 1.0x (both ~0.95x when it was contended). More input rows: the 4 rows side by side, so
+// each input vector loaded feeds 4 products (the input loads would bound the pass otherwise).
+// Either way each (input row, weight row) pair keeps its one accumulator over K, in order, and
+// sum4_512 reduces it at its place in the four: the same bits in both orders.
 template <int MT>
 inline void group_dots_bf16(const uint16_t* const* w, const uint16_t* x, int64_t xs, int64_t k, float* out, Prefetch& pf) {
   __m512 acc[MT][kRows];
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
-  auto step = [&](int64_t j, __mmask32 mask) {
-    pf.step();
-    __m512bh wv[kRows];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[r] + j);
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + j);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
-    }
-  };
-  int64_t j = 0;
-  for (; j + 32 <= k; j += 32) step(j, ~__mmask32(0));  // all-ones mask: a plain load
-  if (j < k) step(j, (__mmask32(1) << (k - j)) - 1);
+  if constexpr (MT <= kSeqRows) {
+    dot_rows<MT, 0, 1>(acc, w, x, xs, k, pf);
+    dot_rows<MT, 1, 2>(acc, w, x, xs, k, pf);
+    dot_rows<MT, 2, 3>(acc, w, x, xs, k, pf);
+    dot_rows<MT, 3, 4>(acc, w, x, xs, k, pf);
+  } else {
+    dot_rows<MT, 0, kRows>(acc, w, x, xs, k, pf);
+  }
 #pragma GCC unroll 8
   for (int m = 0; m < MT; ++m) _mm_storeu_ps(out + m * kRows, sum4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
@@ -165,7 +193,10 @@ constexpr int kPassRows = 6;  // input rows per pass (see above)
 void dots_bf16(const uint16_t* const* wg, const uint16_t* x, int64_t xs, int64_t rows, int64_t k, float* out) {
   const int64_t rest = rows % kPassRows;
   const int64_t passes = rows / kPassRows + (rest >= 4) + ((rest % 4) >= 2) + (rest % 2);
-  const int64_t steps = (k + 31) / 32, lines = kRows * k / 32;
+  // One or two input rows (a group's rows read in order): no software prefetch, the hardware
+  // prefetchers follow the one stream (the next group a line a step read at 0.79x a streaming
+  // read's bandwidth, none at 0.88x: python benchmarks/gemv_bandwidth.py).
+  const int64_t steps = (k + 31) / 32, lines = rows <= kSeqRows ? 0 : kRows * k / 32;
   Prefetch pf{reinterpret_cast<const char*>(wg[0] + kRows * k), 0, (lines + passes * steps - 1) / (passes * steps), lines};
   int64_t m = 0;
   for (; m + kPassRows <= rows; m += kPassRows) group_dots_bf16<kPassRows>(wg, x + m * xs, xs, k, out + m * kRows, pf);
