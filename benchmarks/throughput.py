@@ -9,7 +9,9 @@ its own. Measured per engine:
 * 16 concurrent requests (prompt 256, 128 new tokens): total generated tokens/s;
 * peak RSS;
 * the memory-bandwidth bound: bytes read per decode step (weights + KV at that context) ÷ the
-  read bandwidth measured in this run, and each engine's share of it.
+  read bandwidth measured in this run, and each engine's share of it; also the share paired per
+  run (each timed decode run against a short bandwidth probe taken right before it, median over
+  runs), which a host whose bandwidth drifts within minutes does not skew.
 
     python benchmarks/throughput.py                       # full run, ~15 min on 2 cores
     python benchmarks/throughput.py --quick               # shorter prompts/decodes, a smoke run
@@ -86,6 +88,27 @@ def measure_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5, device: 
     return a.numel() * 4 / best / 1e9
 
 
+def probe_bandwidth(threads: int, device: str = "cpu") -> float:
+    """A short read-bandwidth probe taken right before each timed decode run (``single_stream``),
+    so each run's share of the bound is against the bandwidth of its own minute: on a shared host
+    it swung between ~30 and ~65 GB/s within minutes (session 16), while ``measure_bandwidth`` is
+    taken once at each end of the whole run. Two 48 MiB buffers read in turn (past a 32 MiB
+    last-level cache), the best of three passes of both; allocated for the probe and freed after."""
+    import torch
+
+    torch.set_num_threads(threads)
+    bufs = [torch.ones(12 << 20, dtype=torch.float32, device=device) for _ in range(2)]
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t = time.perf_counter()
+        for b in bufs:
+            b.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return sum(b.numel() * 4 for b in bufs) / best / 1e9
+
+
 def sync(device: str) -> None:
     """Wait for the GPU's queued work (timings on CUDA); nothing on the CPU."""
     if device.startswith("cuda"):
@@ -114,11 +137,13 @@ def single_stream(run_one, args: argparse.Namespace) -> dict:
     if args.device != "cpu":  # every shape timed below once first (kvserve captures its graphs)
         for n in args.context:
             run_one(prompt_ids(n, 8), 4)
-    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "decode_ms_runs": {n: [] for n in args.context}}
+    res: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "decode_ms_runs": {n: [] for n in args.context},
+                 "decode_probe_gb_s": {n: [] for n in args.context}}
     for n in args.prefill:
         res["prefill_tok_s"][n] = n / median([run_one(prompt_ids(n, r), 1)[0] for r in range(args.repeats)])
     for r in range(args.repeats):
         for n in args.context:
+            res["decode_probe_gb_s"][n].append(probe_bandwidth(args.threads, args.device))
             res["decode_ms_runs"][n].append(1e3 * run_one(prompt_ids(n, 3 + r), args.decode_tokens)[1])
     for n in args.context:
         res["decode_tok_s"][n] = 1e3 / median(res["decode_ms_runs"][n])
@@ -355,6 +380,8 @@ def report(doc: dict) -> str:
         row(f"  ms/token @{n}", lambda d, n=n: 1e3 / d["decode_tok_s"].get(str(n), d["decode_tok_s"].get(n)))
         row(f"  share of bandwidth bound @{n}", lambda d, n=n: d["bound_share"].get(str(n), d["bound_share"].get(n)),
             "{:.0%}")
+        row(f"  share, each run against its own probe @{n}",
+            lambda d, n=n: d.get("bound_share_paired", {}).get(str(n), d.get("bound_share_paired", {}).get(n)), "{:.0%}")
     row(f"{doc['batch']} requests ({doc['batch_prompt']}+{doc['batch_new']}) tok/s", lambda d: d.get("batch_tok_s"))
     row("  decode phase only, tok/s", lambda d: d.get("batch_decode_phase_tok_s"))
     row(f"  {doc['batch'] // 2} requests, decode phase, tok/s", lambda d: d.get("half_batch_decode_phase_tok_s"))
@@ -441,9 +468,14 @@ def main() -> None:
         if "error" in r:
             continue
         r["bound_share"] = {}
+        r["bound_share_paired"] = {}  # per decode run against its own probe, median over runs
         for n, tps in r["decode_tok_s"].items():
-            bound = bw * 1e9 / (wbytes + int(n) * kv_bpt)
-            r["bound_share"][n] = tps / bound
+            step_bytes = wbytes + int(n) * kv_bpt
+            r["bound_share"][n] = tps / (bw * 1e9 / step_bytes)
+            probes = r.get("decode_probe_gb_s", {}).get(n) or r.get("decode_probe_gb_s", {}).get(str(n))
+            runs = r["decode_ms_runs"].get(n) or r["decode_ms_runs"].get(str(n))
+            if probes and runs:
+                r["bound_share_paired"][n] = median([step_bytes / (ms * 1e-3) / (gb * 1e9) for ms, gb in zip(runs, probes)])
     ok = {e: r for e, r in results.items() if "error" not in r}
     ratios = {}
     if "kvserve" in ok:

@@ -182,6 +182,7 @@ def serve(
 
     from kvserve.engine.async_engine import AsyncLLMEngine
     from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.gc_heap import freeze_startup_heap
     from kvserve.pricing import Prices
     from kvserve.server.api import create_app
     from kvserve.server.config import ServerConfig
@@ -232,6 +233,8 @@ def serve(
         "no API key: single-tenant, /v1/* is open to anyone who can reach this address"
     typer.echo(f"kvserve: serving {scfg.served_model_name!r} on http://{host}:{port} "
                f"(dashboard: http://{host}:{port}/dashboard) — {who}", err=True)
+    frozen = freeze_startup_heap()  # no full collection walks the engine's objects again (gc_heap)
+    logging.getLogger("kvserve.server").info("froze %d start-up objects out of the garbage collector's walks", frozen)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
 
 
