@@ -164,10 +164,11 @@ inline __attribute__((always_inline)) void dot_rows(__m512 (&acc)[MT][kRows], co
 //
 // Up to kSeqRows input rows: one weight row after another, each read once from start to end, so a
 // group is read in address order, one sequential stream per thread that the hardware prefetchers
-// follow. The 4 rows side by side (4 streams 2K bytes apart) read the 0.5B shape's MLPs at
-// 0.70-0.78x a plain streaming read's bandwidth on a Zen 4 when the host's memory was free, this
-// order at 1.0x (both ~0.95x when it was contended). More input rows: the 4 rows side by side, so
-// each input vector loaded feeds 4 products (the input loads would bound the pass otherwise).
+// follow. The 4 rows side by side (4 streams 2K bytes apart) read the 0.5B shape's MLPs at 0.57x
+// torch's streaming sum's bandwidth on a Zen 4 when the host's memory was free, this order at
+// 0.87x (0.98x against 0.91x when it was contended; python benchmarks/gemv_bandwidth.py). More
+// input rows: the 4 rows side by side, so each input vector loaded feeds 4 products (the input
+// loads would bound the pass otherwise).
 // Either way each (input row, weight row) pair keeps its one accumulator over K, in order, and
 // sum4_512 reduces it at its place in the four: the same bits in both orders.
 template <int MT>
