@@ -21,7 +21,7 @@ def test_freezing_takes_the_live_heap_out_of_collections_and_not_what_comes_afte
     assert _tracked(before)
     try:
         frozen = freeze_startup_heap()
-        assert frozen > 0 and gc.get_freeze_count() == frozen
+        assert frozen > 0 and gc.get_freeze_count() > 0  # (frozen objects still die by refcount: no equality)
         assert not _tracked(before)  # in the permanent generation: no collection walks it
         after = {"new": [4]}
         assert _tracked(after)  # objects made afterwards are collected as usual
