@@ -162,7 +162,47 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
     bands = range(len(next(iter(timings.values()))))  # BANDS, or as many as the timings give (tests)
     bests = [min(band_total(p, b) for p in plans) for b in bands]
     best = min(plans, key=lambda p: max(band_total(p, b) / bests[b] for b in bands))
-    return GemmPlan(best.paths, source, timings, best.extra_bytes)
+    paths = _keep_layer_loop(best.paths, timings, counts, role_bytes, extra_budget)
+    return GemmPlan(paths, source, timings, _extra_bytes(paths, role_bytes))
+
+
+LAYER_ROLES = ("qkv", "o", "mlp")
+LOOP_BANDS = 3
+"""The bands whose steps the native layer loop runs (rows<=1, rows<=16, rows<=64: its MAX_ROWS)."""
+LAYER_LOOP_SAVING_US = 150.0
+"""What running a step's layers in kvserve's native loop saves per layer, in µs, taken low: the loop
+(:mod:`kvserve.model.decode_stack`) runs only where every layer role of the step's band is on the
+tiled kernel, and on the 0.5B shape (24 layers) it took a one-sequence decode step to 0.85x the
+per-layer path's time (~5 ms of ~35) and a 16-sequence one to 0.93x (~4 ms of ~57; session 12)."""
+
+
+def _extra_bytes(paths: dict[str, tuple[str, ...]], role_bytes: dict[str, int]) -> int:
+    """The bytes a plan holds beyond one copy of each role's weights."""
+    return sum((len({storage_of(p) for p in ps}) - 1) * role_bytes.get(r, 0) for r, ps in paths.items())
+
+
+def _keep_layer_loop(paths: dict[str, tuple[str, ...]], timings: dict[str, list[dict[str, float]]],
+                     counts: dict[str, int], role_bytes: dict[str, int], budget: int) -> dict[str, tuple[str, ...]]:
+    """``paths`` with each loop band's layer roles all on ``kvserve_tiled`` where the GEMM time that
+    costs (summed over the forward's matrices) is less than the loop saves (:data:`LAYER_LOOP_SAVING_US`
+    a layer) and the extra copies stay within ``budget``. Timings alone had put a role of the
+    16-row band on torch's matmul or oneDNN's copy for a few percent in two plans of session 16,
+    which took steps of 2-16 sequences off the loop. A plan of FBGEMM's pool shards is left alone
+    (the tiled kernel's OpenMP team and the pool do not mix: :data:`FAMILIES`)."""
+    if not set(LAYER_ROLES) <= set(timings) or any(_pooled(p) for ps in paths.values() for p in ps):
+        return paths
+    layers = counts.get("qkv", 1)
+    for b in range(min(LOOP_BANDS, len(timings["qkv"]))):
+        off = [r for r in LAYER_ROLES if paths[r][b] != "kvserve_tiled"]
+        if not off or any("kvserve_tiled" not in timings[r][b] for r in off):
+            continue
+        loss = sum(counts.get(r, 1) * (timings[r][b]["kvserve_tiled"] - timings[r][b][paths[r][b]]) for r in off)
+        trial = {**paths, **{r: paths[r][:b] + ("kvserve_tiled",) + paths[r][b + 1:] for r in off}}
+        if loss <= LAYER_LOOP_SAVING_US * layers and _extra_bytes(trial, role_bytes) <= budget:
+            log.info("GEMM plan: band %s keeps the native layer loop (its layer roles %.0f µs a forward slower "
+                     "on the tiled kernel)", BANDS[b] if b < len(BANDS) else b, loss)
+            paths = trial
+    return paths
 
 
 def _band_best(band: dict[str, float], storage: str) -> str:

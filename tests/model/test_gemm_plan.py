@@ -365,3 +365,47 @@ def test_cached_timings_are_keyed_by_the_openmp_wait_policy(monkeypatch: pytest.
     assert attention_choice.cache_key(14, 2, 64, 16, torch.bfloat16) != attn_default
     monkeypatch.setenv("OMP_WAIT_POLICY", " ")
     assert gemm_plan.cache_path(BIG, torch.bfloat16) == gemm_default
+
+
+def test_a_band_keeps_the_native_layer_loop_when_its_layer_roles_lose_little_on_the_tiled_kernel() -> None:
+    """Steps of up to 64 rows run every layer in one native call only where qkv, o and the MLP of
+    the step's band are all on the tiled kernel (kvserve.model.decode_stack); that call saves more
+    than LAYER_LOOP_SAVING_US a layer. A layer role a little faster on torch's matmul in such a
+    band goes to the tiled kernel; one much faster stays; the band above 64 rows is never moved,
+    and without all three layer roles timed (so the loop cannot be judged) nothing moves."""
+    tiled, layers = "kvserve_tiled", 24
+    fast = [{"native": 3000.0, tiled: 1000.0}] * 4
+    close = [{"native": 1000.0, tiled: 3000.0}, {"native": 1000.0, tiled: 1100.0},  # -100 µs a layer
+             {"native": 1000.0, tiled: 1100.0}, {"native": 1000.0, tiled: 1100.0}]
+    counts = {"qkv": layers, "o": layers, "mlp": layers, "lm_head": 1}
+    rb = {"qkv": 1, "o": 1, "mlp": 1, "lm_head": 1}
+    plan = decide({"qkv": fast, "o": fast, "mlp": close, "lm_head": fast}, rb, 0, "measured", counts)
+    assert plan.paths["mlp"] == ("native", tiled, tiled, "native")  # rows<=1: 2,000 µs a layer is too much
+    assert plan.paths["qkv"] == plan.paths["o"] == (tiled,) * 4
+    # the loss is summed over the band's layer roles: two roles 70 µs a layer slower each (140 in
+    # all) still fit under the saving, two 80 slower (160) do not
+    def off_by(us: float) -> list[dict[str, float]]:
+        return [{"native": 1000.0, tiled: 3000.0}] + [{"native": 1000.0, tiled: 1000.0 + us}] * 3
+
+    assert gemm_plan.LAYER_LOOP_SAVING_US == 150.0  # what the two cases below straddle
+    two = decide({"qkv": off_by(70), "o": fast, "mlp": off_by(70)}, rb, 0, "measured", counts).paths
+    assert two["qkv"][1:3] == two["mlp"][1:3] == (tiled, tiled)
+    apart = decide({"qkv": off_by(80), "o": fast, "mlp": off_by(80)}, rb, 0, "measured", counts).paths
+    assert apart["qkv"][1:3] == apart["mlp"][1:3] == ("native", "native")
+    # no o timed: the loop's condition cannot be judged, the timings alone decide
+    assert decide({"qkv": fast, "mlp": close}, rb, 0, "measured", counts).paths["mlp"] == ("native",) * 4
+
+
+def test_keeping_the_layer_loop_never_exceeds_the_memory_budget() -> None:
+    """Moving a band of a role held in another copy (oneDNN's packed weights) to the tiled kernel
+    keeps the loaded tensor too: that copy must fit the extra budget like any split."""
+    tiled, onednn = "kvserve_tiled", "onednn_packed"
+    counts = {"qkv": 24, "o": 24, "mlp": 24}
+    fast = [{"native": 3000.0, tiled: 1000.0}] * 4
+    mlp = [{onednn: 1000.0, tiled: 3000.0}, {onednn: 1000.0, tiled: 1050.0}, {onednn: 1000.0, tiled: 3000.0},
+           {onednn: 1000.0, tiled: 3000.0}]
+    rb = {"qkv": 1, "o": 1, "mlp": 10}
+    tight = decide({"qkv": fast, "o": fast, "mlp": mlp}, rb, 9, "measured", counts)
+    assert tight.paths["mlp"] == (onednn,) * 4 and tight.extra_bytes == 0
+    roomy = decide({"qkv": fast, "o": fast, "mlp": mlp}, rb, 10, "measured", counts)
+    assert roomy.paths["mlp"] == (onednn, tiled, onednn, onednn) and roomy.extra_bytes == 10
