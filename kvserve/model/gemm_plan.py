@@ -169,11 +169,12 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
 LAYER_ROLES = ("qkv", "o", "mlp")
 LOOP_BANDS = 3
 """The bands whose steps the native layer loop runs (rows<=1, rows<=16, rows<=64: its MAX_ROWS)."""
-LAYER_LOOP_SAVING_US = 150.0
+LAYER_LOOP_SAVING_US = 100.0
 """What running a step's layers in kvserve's native loop saves per layer, in µs, taken low: the loop
 (:mod:`kvserve.model.decode_stack`) runs only where every layer role of the step's band is on the
-tiled kernel, and on the 0.5B shape (24 layers) it took a one-sequence decode step to 0.85x the
-per-layer path's time (~5 ms of ~35) and a 16-sequence one to 0.93x (~4 ms of ~57; session 12)."""
+tiled kernel, and on the 0.5B shape (24 layers) it took a one-sequence decode step to 0.918x the
+per-layer path's time (2.75 ms, 115 µs a layer) and a 16-sequence one to 0.945x (3.5 ms, 146 µs a
+layer; ``python benchmarks/decode_stack.py``, session 16)."""
 
 
 def _extra_bytes(paths: dict[str, tuple[str, ...]], role_bytes: dict[str, int]) -> int:
