@@ -1,9 +1,10 @@
 """The server's start-up heap, moved out of the garbage collector's sight.
 
 A loaded engine holds a few hundred thousand long-lived Python objects (modules, parameters,
-tokenizer tables, block bookkeeping): 351,452 on the 0.5B shape. CPython's full collection walks
-all of them, 164 ms on the session-16 Zen 4 EPYC, and every thread (the engine's steps, every
-stream's tokens) waits while it runs; under a server's traffic the young objects of requests
+tokenizer tables, block bookkeeping): 351,452-354,575 on the 0.5B shape. CPython's full
+collection walks all of them, 164-177 ms on the session-16 Zen 4 EPYC (``python
+benchmarks/gc_pause.py``), and every thread (the engine's steps, every stream's tokens) waits
+while it runs; under a server's traffic the young objects of requests
 that survive a while (queued requests, sessions, open streams) trigger one from time to time. After
 :func:`freeze_startup_heap` those objects sit in the permanent generation, which no collection
 walks: the same full collection took under 1 ms. vLLM freezes its engine's heap the same way.
