@@ -92,21 +92,9 @@ def probe_bandwidth(threads: int, device: str = "cpu") -> float:
     """A short read-bandwidth probe taken right before each timed decode run (``single_stream``),
     so each run's share of the bound is against the bandwidth of its own minute: on a shared host
     it swung between ~30 and ~65 GB/s within minutes (session 16), while ``measure_bandwidth`` is
-    taken once at each end of the whole run. Two 48 MiB buffers read in turn (past a 32 MiB
-    last-level cache), the best of three passes of both; allocated for the probe and freed after."""
-    import torch
-
-    torch.set_num_threads(threads)
-    bufs = [torch.ones(12 << 20, dtype=torch.float32, device=device) for _ in range(2)]
-    best = float("inf")
-    for _ in range(3):
-        sync(device)
-        t = time.perf_counter()
-        for b in bufs:
-            b.sum()
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return sum(b.numel() * 4 for b in bufs) / best / 1e9
+    taken once at each end of the whole run. The same measurement over 96 MiB (past a 32 MiB
+    last-level cache), best of three; allocated for the probe and freed after."""
+    return measure_bandwidth(threads, gib=96 / 1024, repeats=3, device=device)
 
 
 def sync(device: str) -> None:

@@ -186,9 +186,9 @@ def _keep_layer_loop(paths: dict[str, tuple[str, ...]], timings: dict[str, list[
                      counts: dict[str, int], role_bytes: dict[str, int], budget: int) -> dict[str, tuple[str, ...]]:
     """``paths`` with each loop band's layer roles all on ``kvserve_tiled`` where the GEMM time that
     costs (summed over the forward's matrices) is less than the loop saves (:data:`LAYER_LOOP_SAVING_US`
-    a layer) and the extra copies stay within ``budget``. Timings alone had put a role of the
-    16-row band on torch's matmul or oneDNN's copy for a few percent in two plans of session 16,
-    which took steps of 2-16 sequences off the loop. A plan of FBGEMM's pool shards is left alone
+    a layer) and the extra copies stay within ``budget``. Timings alone had put a layer role of a
+    loop band on torch's matmul or oneDNN's copy for a few percent in five of the nine plans timed
+    in session 16 (once the one-row band), taking those steps off the loop. A plan of FBGEMM's pool shards is left alone
     (the tiled kernel's OpenMP team and the pool do not mix: :data:`FAMILIES`)."""
     if not set(LAYER_ROLES) <= set(timings) or any(_pooled(p) for ps in paths.values() for p in ps):
         return paths
@@ -237,7 +237,7 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
         for option in options - {base}:
             gain = [b[p0] / b[p] for b, p0, p in zip(bands, base, option)]  # how much faster each band gets
             if max(gain) >= SPLIT_MIN_GAIN:
-                cost = (len({storage_of(p) for p in option}) - 1) * role_bytes.get(role, 0)
+                cost = _extra_bytes({role: option}, role_bytes)
                 split.append((-sum(g - 1 for g in gain) / max(cost, 1), cost, role, option))
     extra, taken = 0, set()
     for _, cost, role, option in sorted(split):  # the most gain per extra byte first
