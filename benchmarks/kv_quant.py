@@ -13,7 +13,9 @@ order rotates each round so background load hits all codecs alike). Reported per
   SDPA), isolating the KV read path the codec changes; NaN where there was no such call to time
   (since session 12 a small step runs every layer in one native call, kvserve/model/decode_stack.py,
   and a float pool's layer goes through the fused prologue, ``forward_qkv``);
-* ratios of each against bf16 at the same context;
+* ratios of each against bf16 at the same context, and the paired ratio: each round's step
+  against bf16's step of the same round, median with a 95 % interval and the share of rounds the
+  codec was faster (what settles a codec within a few percent of bf16 on a drifting host);
 * ``bytes_per_token`` and ``tokens_per_gib`` (``2^30 // bytes_per_token``), and their ratio to bf16.
 
     python benchmarks/kv_quant.py                         # contexts 256,1024,4096; batch 4
@@ -226,7 +228,8 @@ def run_all(engines: dict[str, LLMEngine], contexts: list[int], batch: int, step
                 # no layer-0 attention call to time when the native layer loop ran the step
                 attn = statistics.median(attn_t[c]) * 1e3 if attn_t[c] else float("nan")
                 results[c]["contexts"][str(ctx)] = {  # type: ignore[index]
-                    "step_ms": step, "ms_per_token": step / batch, "attn_ms": attn}
+                    "step_ms": step, "ms_per_token": step / batch, "attn_ms": attn,
+                    "step_samples_ms": [t * 1e3 for t in step_t[c]]}
                 print(f"  {c:<14} ctx {ctx:>5}: step {step:8.1f} ms  attn(layer 0) {attn:.2f} ms", file=sys.stderr,
                       flush=True)
     finally:
@@ -243,18 +246,34 @@ def add_ratios(results: dict[str, dict[str, object]], base: str) -> None:
             b = ref["contexts"][ctx]  # type: ignore[index]
             m["step_vs_bf16"] = m["step_ms"] / b["step_ms"]
             m["attn_vs_bf16"] = m["attn_ms"] / b["attn_ms"]
+            m["paired_vs_bf16"] = paired_ratio(m["step_samples_ms"], b["step_samples_ms"])
+
+
+def paired_ratio(xs: list[float], base: list[float]) -> dict[str, float]:
+    """Round i's step against the base codec's step of the same round (the two ran back to back),
+    so drift of the host between rounds cancels: the median of the n ratios, a distribution-free
+    95 % interval for it (order statistics n/2 -+ 0.98 sqrt(n), as a sign test), and the share
+    of rounds in which this codec was the faster."""
+    r = sorted(x / b for x, b in zip(xs, base))
+    n = len(r)
+    half = 0.98 * n ** 0.5
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    return {"median": statistics.median(r), "ci95_low": r[lo], "ci95_high": r[hi],
+            "faster_share": sum(x < 1.0 for x in r) / n, "rounds": n}
 
 
 def table(results: dict[str, dict[str, object]], contexts: list[int]) -> str:
     head = f"{'codec':<16} {'B/token':>8} {'tok/GiB':>9} {'×bf16':>6}"
     for c in contexts:
-        head += f" | ctx {c:>5}: {'ms/tok':>7} {'×bf16':>6} {'attn ms':>7} {'×bf16':>6}"
+        head += f" | ctx {c:>5}: {'ms/tok':>7} {'×bf16':>6} {'paired (95% CI)':>17} {'attn ms':>7} {'×bf16':>6}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         line = f"{name:<16} {r['bytes_per_token']:>8} {r['tokens_per_gib']:>9} {r['tokens_per_gib_vs_bf16']:>6.2f}"
         for c in contexts:
             m = r["contexts"][str(c)]  # type: ignore[index]
-            line += (f" | {'':>10} {m['ms_per_token']:>7.1f} {m['step_vs_bf16']:>6.2f} "
+            p = m["paired_vs_bf16"]
+            ci = f"{p['median']:.3f} ({p['ci95_low']:.3f}-{p['ci95_high']:.3f})"
+            line += (f" | {'':>10} {m['ms_per_token']:>7.1f} {m['step_vs_bf16']:>6.2f} {ci:>17} "
                      f"{m['attn_ms']:>7.2f} {m['attn_vs_bf16']:>6.2f}")
         lines.append(line)
     return "\n".join(lines)

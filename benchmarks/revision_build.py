@@ -15,10 +15,14 @@ import subprocess
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.native import cache_dir
+from kvserve.native import cache_dir, march
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+
+
+def flags() -> list[str]:
+    """kvserve.native's flags, for its target (``KVSERVE_NATIVE_MARCH``, default this CPU)."""
+    return ["-O3", f"-march={march()}", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 
 def build_revision(rev: str, source: str) -> ModuleType:
@@ -39,7 +43,7 @@ def build_revision(rev: str, source: str) -> ModuleType:
             if h.decode() not in headers:
                 headers[h.decode()] = show(str(Path(source).parent / h.decode()))
                 todo.append(headers[h.decode()])
-    key = hashlib.sha256(text + b"".join(headers[h] for h in sorted(headers))).hexdigest()[:12]
+    key = hashlib.sha256(text + b"".join(headers[h] for h in sorted(headers)) + " ".join(flags()).encode()).hexdigest()[:12]
     name = f"{Path(source).stem}_at_{key}"
     build = cache_dir() / "native" / name
     build.mkdir(parents=True, exist_ok=True)
@@ -47,5 +51,5 @@ def build_revision(rev: str, source: str) -> ModuleType:
     src.write_bytes(text)
     for h, body in headers.items():
         (build / h).write_bytes(body)
-    return cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build), extra_cflags=FLAGS,
+    return cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build), extra_cflags=flags(),
                               extra_ldflags=["-fopenmp"], verbose=False)

@@ -62,7 +62,7 @@ def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     code = (native.CSRC / attention_native.SOURCES[0]).read_bytes() + Path(attention.__file__).read_bytes()
     src = hashlib.sha256(code).hexdigest()[:12]
     return (f"{cpu['model']}|{','.join(cpu['flags'])}|torch {torch.__version__}|kernel {src}|"
-            f"omp {native.wait_policy()}|"
+            f"omp {native.wait_policy()}|march {native.march()}|"
             f"h{heads} kvh{kv_heads} d{head_dim} bs{block_size} {str(dtype).removeprefix('torch.')}")
 
 

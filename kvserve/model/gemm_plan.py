@@ -49,6 +49,7 @@ from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths, storage_of
 from kvserve.model.gemm_tune import RoleShape, Timer, measure
 from kvserve.native import CSRC, cache_dir, wait_policy
+from kvserve.native import march as native_march
 from kvserve.native.choices import KernelChoice, record
 
 log = logging.getLogger("kvserve.gemm")
@@ -251,7 +252,8 @@ def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...
     cpu = _cpu()
     kernel = hashlib.sha256((CSRC / "tiled_gemm.cpp").read_bytes()).hexdigest()[:12]  # its timings go stale with it
     text = json.dumps([CACHE_VERSION, cpu["model"], cpu["flags"], torch.__version__, torch.get_num_threads(),
-                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel, wait_policy()])
+                       str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel, wait_policy(),
+                       native_march()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -7,6 +7,11 @@ version and the sources' hash, under the user cache dir (``$KVSERVE_CACHE_DIR`` 
 (with the reason in :func:`unavailable_reason`) when native kernels are switched off
 (``KVSERVE_NATIVE=0``), no C++ compiler or ninja exists, or the build fails.
 
+The build targets this CPU (``-march=native``) unless ``KVSERVE_NATIVE_MARCH`` names another
+target (``x86-64-v3``: AVX2 + FMA, no AVX-512; ``x86-64``: neither): a build meant for a fleet of
+older CPUs, or this machine running the code paths such a CPU gets (the test suite does both).
+:func:`target_features` says which instruction sets the build has, whatever the target.
+
 Invariant: a build failure is never raised to the caller and is tried once per process.
 """
 
@@ -15,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -43,6 +50,40 @@ def wait_policy() -> str:
 
 def enabled() -> bool:
     return os.environ.get("KVSERVE_NATIVE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def march() -> str:
+    """The ``-march`` target of native builds: ``KVSERVE_NATIVE_MARCH`` or ``native`` (this CPU).
+    Part of every build's and every cached timing's key (the kernels compiled in differ).
+    Raises ValueError on a value that is not a plain target name."""
+    value = os.environ.get("KVSERVE_NATIVE_MARCH", "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value):
+        raise ValueError(f"KVSERVE_NATIVE_MARCH={value!r} is not a -march target name (e.g. native, x86-64-v3)")
+    return value
+
+
+_features: dict[str, frozenset[str]] = {}
+
+
+def target_features() -> frozenset[str]:
+    """The instruction-set features native builds compile in, in the compiler's own words
+    (``avx2``, ``fma``, ``f16c``, ``avx512f``, ``avx512bf16``, ``avx512vnni``, ...): the
+    ``__X__`` macros the compiler predefines for :func:`march`, which are what the kernels'
+    ``#if`` sections test. Empty when no compiler answers."""
+    target = march()
+    if target not in _features:
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        found: set[str] = set()
+        if cxx is not None:
+            try:
+                out = subprocess.run([cxx, f"-march={target}", "-dM", "-E", "-x", "c++", "-"], input="",
+                                     capture_output=True, text=True, timeout=60, check=True).stdout
+                found = {m.lower() for m in re.findall(r"#define __([A-Z0-9_]+)__ 1", out)
+                         if m.startswith(("AVX", "FMA", "F16C", "AMX", "SSE"))}
+            except (OSError, subprocess.SubprocessError):
+                found = set()
+        _features[target] = frozenset(found)
+    return _features[target]
 
 
 def _build_key(name: str, paths: list[Path], flags: list[str]) -> str:
@@ -134,7 +175,12 @@ def _try_build(name: str, sources: list[str], extra: list[str], includes: list[s
         _why[name] = f"cannot build C++ extensions: {e}"
         return None
     paths = [CSRC / s for s in [*sources, *includes]]
-    flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *extra]
+    try:
+        flags = ["-O3", f"-march={march()}", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *extra]
+    except ValueError as e:
+        _why[name] = str(e)
+        log.warning("native kernel %s unavailable (%s); using the torch fallback", name, e)
+        return None
     key = _build_key(name, paths, flags)
     build = cache_dir() / "native" / key
     build.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,114 @@
+"""Native builds for another CPU (``KVSERVE_NATIVE_MARCH``): the target is part of every build's
+and cached timing's key, a bad target is a reason and not an exception, and the kernels that an
+AVX2-only CPU and a plain x86-64 CPU get build here and pass their tests (a session on an
+AVX2-only EPYC would otherwise be the first to compile those paths: an AVX-512 test assumption
+once went unseen that way)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.bench.machine import cpu_info
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_CXX = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")) is not None
+# the tests that cover every native kernel and its fallbacks, and the model against transformers
+SUBSET = ["tests/native", "tests/model/test_tiled_gemm.py", "tests/model/test_paged_attention.py",
+          "tests/engine/test_decode_stack.py", "tests/model/test_model_parity.py"]
+# each module built in one of two processes at once (the two cores), before the tests load them
+BUILD = """
+import sys
+from kvserve.model import attention_native, decode_stack, tiled_gemm
+from kvserve.native import argmax, fused
+from kvserve import native
+load = {"tiled": lambda: native.load_extension("kvserve_tiled_gemm", ["tiled_gemm.cpp"]),
+        "paged": attention_native.native_module, "stack": decode_stack._ext, "fused": fused._ext,
+        "argmax": argmax._ext}
+for name in sys.argv[1:]:
+    if load[name]() is None:
+        sys.exit(f"{name}: {native._why}")
+"""
+
+
+def test_the_target_is_this_cpu_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv("KVSERVE_NATIVE_MARCH", raising=False)
+    assert native.march() == "native"
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", " x86-64-v3 ")
+    assert native.march() == "x86-64-v3"
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "native -O0")
+    with pytest.raises(ValueError, match="KVSERVE_NATIVE_MARCH"):
+        native.march()
+
+
+def test_a_bad_target_is_a_reason_not_an_exception(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native, "_why", {})
+    monkeypatch.delenv("KVSERVE_NATIVE", raising=False)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "$(reboot)")
+    import torch.utils.cpp_extension as ce
+
+    monkeypatch.setattr(ce, "load", lambda **kw: pytest.fail("built with a bad target"))
+    assert native.load_extension("kvserve_bad_target", ["argmax.cpp"]) is None
+    assert "KVSERVE_NATIVE_MARCH" in native.unavailable_reason("kvserve_bad_target")
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_target_features_are_what_the_compiler_defines_for_the_target(monkeypatch):
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64-v3")
+    v3 = native.target_features()
+    assert {"avx2", "fma", "f16c"} <= v3 and "avx512f" not in v3
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64")
+    plain = native.target_features()
+    assert "sse2" in plain and "avx2" not in plain
+    monkeypatch.delenv("KVSERVE_NATIVE_MARCH")
+    here = native.target_features()
+    flags = cpu_info()["flags"]
+    for feature, flag in (("avx2", "avx2"), ("avx512f", "avx512f"), ("avx512bf16", "avx512_bf16")):
+        assert (feature in here) == (flag in flags), feature  # type: ignore[operator]
+
+
+def test_every_cache_of_timings_is_keyed_by_the_target(monkeypatch):
+    from kvserve.model import attention_choice, gemm_plan
+    from kvserve.model.gemm_tune import RoleShape
+
+    roles = (RoleShape("mlp", ((9728, 896), (896, 4864)), 24),)
+    keys = []
+    for target in (None, "x86-64-v3"):
+        if target is None:
+            monkeypatch.delenv("KVSERVE_NATIVE_MARCH", raising=False)
+        else:
+            monkeypatch.setenv("KVSERVE_NATIVE_MARCH", target)
+        keys.append((gemm_plan._key(roles, torch.bfloat16, ("torch",)),
+                     attention_choice.cache_key(14, 2, 64, 16, torch.bfloat16)))
+    assert keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+@pytest.mark.skipif(bool(os.environ.get("KVSERVE_NATIVE_MARCH")), reason="already a run for another target")
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64"])
+def test_the_kernels_of_a_cpu_without_avx512_build_and_pass_their_tests(target: str) -> None:
+    """x86-64-v3: AVX2 + FMA + F16C (the tiled AVX2 GEMM and attention paths, no bf16-dot or
+    int8-dot); x86-64: none of them (the scalar and torch paths)."""
+    env = {**os.environ, "KVSERVE_NATIVE_MARCH": target, "PYTHONPATH": str(ROOT)}
+    builders = [subprocess.Popen([sys.executable, "-c", BUILD, *names], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for names in (["tiled", "paged", "fused"], ["stack", "argmax"])]
+    for b in builders:
+        out, _ = b.communicate(timeout=600)
+        assert b.returncode == 0, out[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          "--ignore", "tests/native/test_portable_build.py", *SUBSET],
+                         check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.strip().splitlines()[-1], run.stdout[-500:]  # and ran some
