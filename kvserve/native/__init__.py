@@ -193,5 +193,21 @@ def _try_build(name: str, sources: list[str], extra: list[str], includes: list[s
         _why[name] = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         log.warning("native kernel %s unavailable (%s); using the torch fallback", name, _why[name])
         return None
-    log.info("native kernel %s loaded from %s", name, build)
+    log.info("native kernel %s loaded from %s (-march=%s)", name, build, march())
+    record_target()
     return mod
+
+
+# the instruction sets that pick a kernel path, as the kernels' #if sections name them
+PATH_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bf16", "avx512vnni", "amx_bf16")
+
+
+def record_target() -> None:
+    """Records the build target (``native_target``, band ``all``) among the kernel choices that
+    ``/metrics`` and ``kvserve plan --hardware cpu`` show: ``-march`` and the path-picking
+    instruction sets it has, e.g. ``native: avx2 fma f16c avx512f avx512bf16 avx512vnni``."""
+    from kvserve.native.choices import KernelChoice, record
+
+    have = [f for f in PATH_FEATURES if f in target_features()]
+    source = "forced" if os.environ.get("KVSERVE_NATIVE_MARCH", "").strip() else "default"
+    record(KernelChoice("native_target", "all", f"{march()}: {' '.join(have) or 'none'}", {}, source))

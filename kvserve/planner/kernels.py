@@ -30,7 +30,15 @@ def cpu_kernel_rows(spec: ModelSpec, weight_dtype: str,
     plan = plan_for(roles, dtype)
     gemm = tuple((f"gemm_{role}", band, path, plan.source)
                  for role, bands in plan.paths.items() for band, path in zip(BANDS, bands))
-    return gemm + attention_rows(spec, dtype, block_size)
+    return gemm + attention_rows(spec, dtype, block_size) + target_rows()
+
+
+def target_rows() -> tuple[tuple[str, str, str, str], ...]:
+    """The native kernels' build target (``KVSERVE_NATIVE_MARCH`` or this CPU) and its
+    instruction sets; none where no native kernel was built."""
+    from kvserve.native.choices import choices
+
+    return tuple((c.role, c.band, c.choice, c.source) for c in choices() if c.role == "native_target")
 
 
 def attention_rows(spec: ModelSpec, dtype: object, block_size: int) -> tuple[tuple[str, str, str, str], ...]:

@@ -112,3 +112,21 @@ def test_the_kernels_of_a_cpu_without_avx512_build_and_pass_their_tests(target: 
                          check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.strip().splitlines()[-1], run.stdout[-500:]  # and ran some
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_the_target_is_shown_among_the_kernel_choices(monkeypatch):
+    from kvserve.native.choices import choices
+    from kvserve.planner.kernels import target_rows
+
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64-v3")
+    native.record_target()
+    try:
+        (row,) = target_rows()
+        assert row[:2] == ("native_target", "all") and row[3] == "forced"
+        assert row[2].startswith("x86-64-v3: ") and "avx2" in row[2].split() and "avx512f" not in row[2]
+    finally:
+        monkeypatch.delenv("KVSERVE_NATIVE_MARCH")
+        native.record_target()  # back to this process's own target
+    (mine,) = [c for c in choices() if c.role == "native_target"]
+    assert mine.choice.startswith("native: ") and mine.source == "default"
