@@ -18,7 +18,18 @@ def cpu_info() -> dict[str, object]:
                 break
     except OSError:
         pass
-    return {"model": model, "flags": sorted(set(flags))}
+    return {"model": model, "flags": sorted(set(flags)), "native_march": _native_march()}
+
+
+def _native_march() -> str:
+    """The target kvserve's C++ kernels are built for (``native`` unless ``KVSERVE_NATIVE_MARCH``
+    names another): a benchmark of kernels built for another CPU says so."""
+    from kvserve.native import march
+
+    try:
+        return march()
+    except ValueError as e:
+        return f"invalid ({e})"
 
 
 def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:

@@ -21,7 +21,7 @@ from kvserve.native import fused
 
 from .helpers import PagedRunner, check_bf16_against_transformers
 
-pytestmark = pytest.mark.skipif(not tiled_gemm.tiled_gemm_available(), reason="the tiled kernel did not build here")
+pytestmark = pytest.mark.skipif(not tiled_gemm.tiled_gemm_available(), reason="no tiled kernel here (no build, or a target without AVX2 + FMA + F16C)")
 Checkpoint = Callable[[str], tuple[Path, torch.nn.Module]]
 
 

@@ -61,6 +61,13 @@ def test_a_bad_target_is_a_reason_not_an_exception(monkeypatch, tmp_path):
     assert "KVSERVE_NATIVE_MARCH" in native.unavailable_reason("kvserve_bad_target")
 
 
+def test_benchmarks_record_the_target_they_ran(monkeypatch):
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64-v3")
+    assert cpu_info()["native_march"] == "x86-64-v3"
+    monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "native;rm")
+    assert cpu_info()["native_march"].startswith("invalid (")
+
+
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
 def test_target_features_are_what_the_compiler_defines_for_the_target(monkeypatch):
     monkeypatch.setenv("KVSERVE_NATIVE_MARCH", "x86-64-v3")
