@@ -670,11 +670,29 @@ void run_tiled(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_star
 //   instructions give the row's 16 scores. Queries and keys are bf16 and their products exact,
 //   sums in fp32: the scores are what the fp32 path computes, up to summation order;
 // * values: the probabilities are rounded to bf16 (what torch's CPU flash kernel does for bf16)
-//   and paired over keys; the V rows of keys 2k and 2k+1 are interleaved (Vw [8 pairs][d] words)
-//   and each row's pair (p_2k, p_2k+1) is broadcast: 8 instructions per 16 head_dim values.
-// The online softmax (max, correction, sum) is the tiled path's, 16 lanes wide.
+//   and paired over keys; the V rows of keys 2k and 2k+1 are interleaved (Vw [8 pairs][d] words,
+//   head_dim in the in-lane unpack order, O summed in it and put back when the task ends) and each
+//   row's pair (p_2k, p_2k+1) is broadcast: 8 instructions per 16 head_dim values.
+// The online softmax (max, correction, sum) is the tiled path's, 16 lanes wide, with its own exp.
 
-KVSERVE_EXP_PS(exp_ps16, __m512, _mm512, 512, _mm512_roundscale_ps)  // 16 lanes
+// exp(x - mx) over 16 lanes (x <= mx), given mxl = mx log2(e), in 9 instructions where the tiled
+// path's sub + exp_ps take 16: (x - mx) log2(e) = n + f with |f| <= 1/2 (one fused multiply-subtract:
+// the product is exact, so the error is mxl's rounding, a factor shared by a row's terms), 2^f by
+// its degree-5 minimax polynomial (relative error 2.4e-7, as the degree-6 Taylor series of e^r),
+// and 2^n applied by vscalefps, which gives 0 below the float range (no clamp, shift or multiply).
+// Lanes outside ``keep`` are 0 (the scale instruction's own zero-masking; they may hold -inf).
+inline __m512 exp_diff_ps16(__m512 x, __m512 mxl, __mmask16 keep) {
+  const __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), mxl);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3276470687692812e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675541324043649e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713277534307e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022119724099122f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469670622895f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000071654604f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
 
 // r[i] (16 words each) -> r[i] = column i, i.e. out[i][j] = in[j][i].
 inline void transpose16x16(__m512i r[16]) {
@@ -889,10 +907,10 @@ inline bool softmax_step(const __m512* sv, const __mmask16* mk, int64_t ng, floa
   const float gmax = _mm512_reduce_max_ps(vmax);
   if (gmax == -std::numeric_limits<float>::infinity()) return false;
   const float mx = std::max(*m, gmax);
-  const __m512 mxv = _mm512_set1_ps(mx);
+  const __m512 mxl = _mm512_set1_ps(mx * 1.44269504088896341f);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t t = 0; t < ng; ++t) {
-    const __m512 p = _mm512_maskz_mov_ps(mk[t], exp_ps16(_mm512_sub_ps(sv[t], mxv)));
+    const __m512 p = exp_diff_ps16(sv[t], mxl, mk[t]);
     acc = _mm512_add_ps(acc, p);
     store(t, p);
   }
@@ -976,8 +994,9 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
         for (int64_t t = 0; t < ng; ++t) kss[t] = _mm512_mul_ps(scv, _mm512_loadu_ps(ksc[t]));
         softmax_rows(rows, g, qpos.data(), w, kpos, ntl, ng, kss, S.data(), ss, Pw.data(), ps, m.data(), lv.data(),
                      O.data(), d, [&](uint32_t* pw, int64_t t, __m512 p) {
-                       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2),
-                                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]))));
+                       // A bf16 V side's scales are 1 (0 past nt, where p is masked to 0 already).
+                       if (vs.kind != 0) p = _mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]));
+                       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2), (__m256i)_mm512_cvtneps_pbh(p));
                      });
         pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
         ng = 0;
