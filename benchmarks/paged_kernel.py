@@ -12,12 +12,16 @@ Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), me
 * ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``);
 * with ``--rev REV``: ``kernel@REV``, the kernel as it was at git revision REV, built beside the
   working tree's (``benchmarks/revision_build.py``) and timed alternately with ``kernel``, so the
-  two columns share the host's drift (their ratio is the A/B).
+  two columns share the host's drift (their ratio is the A/B);
+* with ``--pool-pages``: ``kernel_4k``, the kernel on a copy of the case whose pool is on 4 KiB
+  pages (kvserve's pool is on transparent huge pages where it may be,
+  ``kvserve.model.huge_pages``), timed alternately with ``kernel``.
 
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py            # ~1 min
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --shapes 16x2048+1
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --codecs bf16 --heads 8 --kv-heads 2 --head-dim 32  # embedded
     PYTHONPATH=$PWD python benchmarks/paged_kernel.py --rev HEAD --shapes 16x2048+1,1x2048+1  # A/B
+    PYTHONPATH=$PWD python benchmarks/paged_kernel.py --pool-pages --codecs bf16 --shapes 16x2048+1,64x2048+1
 
 Synthetic K/V (unit normal) in shuffled blocks; timing does not depend on the values. Prints a
 table and writes JSON (default ``benchmarks/results/paged_kernel.json``).
@@ -40,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvserve.kv import storage as storage_mod
 from kvserve.kv.quant import parse_kv_codecs
 from kvserve.kv.storage import KVStorage
 from kvserve.model import attention, attention_native
@@ -59,13 +64,19 @@ def median_us(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(ts) * 1e6
 
 
-def case(codec: str, seqs: int, ctx: int, new: int, dtype: torch.dtype) -> dict[str, Any]:
+def case(codec: str, seqs: int, ctx: int, new: int, dtype: torch.dtype, small_pages: bool = False) -> dict[str, Any]:
     """A one-layer pool holding ``seqs`` contexts of ``ctx`` tokens, the last ``new`` of them
-    this step's (written by the step, as in serving)."""
+    this step's (written by the step, as in serving); ``small_pages``: the pool on 4 KiB pages."""
     nb = -(-ctx // BS)
     g = torch.Generator().manual_seed(0)
-    s = KVStorage(num_layers=1, num_blocks=seqs * nb, block_size=BS, kv_heads=KVH, head_dim=D, dtype=dtype,
-                  pool=parse_kv_codecs(codec, "bfloat16"), group_size=BS)
+    real_empty_on = storage_mod.empty_on
+    if small_pages:
+        storage_mod.empty_on = lambda device, shape, dt: torch.empty(shape, dtype=dt, device=device)
+    try:
+        s = KVStorage(num_layers=1, num_blocks=seqs * nb, block_size=BS, kv_heads=KVH, head_dim=D, dtype=dtype,
+                      pool=parse_kv_codecs(codec, "bfloat16"), group_size=BS)
+    finally:
+        storage_mod.empty_on = real_empty_on
     perm = torch.randperm(seqs * nb, generator=g)
     tables = [perm[i * nb:(i + 1) * nb] for i in range(seqs)]
 
@@ -104,7 +115,8 @@ def alternating_us(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
     return {k: statistics.median(v) * 1e6 for k, v in ts.items()}
 
 
-def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple[str, Any] | None = None) -> dict[str, float]:
+def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple[str, Any] | None = None,
+            pool_pages: bool = False) -> dict[str, float]:
     seqs, rest = shape.split("x")
     ctx, new = (int(x) for x in rest.split("+"))
     c = case(codec, int(seqs), ctx, new, dtype)
@@ -132,6 +144,14 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple
                 "kernel": lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
                 f"kernel@{old[0]}": lambda: attention_native.run_kernel(old[1], q, out, plan, src, BS, KVH, D ** -0.5)},
                 2 * repeats + 1))
+        if pool_pages:
+            c4 = case(codec, int(seqs), ctx, new, dtype, small_pages=True)
+            src4, q4, out4 = attention_native.kv_source(c4["layer"]), c4["q"], torch.empty_like(q)
+            res.update(alternating_us({
+                "kernel": lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
+                "kernel_4k": lambda: attention_native.run_kernel(mod, q4, out4, plan, src4, BS, KVH, D ** -0.5)},
+                2 * repeats + 1))
+            c4["storage"].end_step()
     tplan = attention.plan_step(meta, layer.shape, q.device)
     res["torch"] = median_us(lambda: attention.attend_written(q, layer, meta, tplan, D ** -0.5, out), repeats)
     c["storage"].end_step()
@@ -148,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=KVH)
     ap.add_argument("--head-dim", type=int, default=D)
     ap.add_argument("--rev", help="also time the kernel as it was at this git revision (A/B)")
+    ap.add_argument("--pool-pages", action="store_true",
+                    help="also time the kernel on a pool on 4 KiB pages (kernel_4k), alternately with kernel")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "paged_kernel.json")
     a = ap.parse_args(argv)
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
@@ -163,18 +185,19 @@ def main(argv: list[str] | None = None) -> None:
 
         old = (a.rev, build_revision(a.rev, "kvserve/native/csrc/paged_attention.cpp"))
     results: dict[str, dict[str, dict[str, float]]] = {}
-    rev_col = f"  kernel@{a.rev}" if a.rev else ""
+    rev_col = (f"  kernel@{a.rev}" if a.rev else "") + ("  kernel_4k" if a.pool_pages else "")
     print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'no_i8dot':>9} {'torch':>9}{rev_col}   (µs; "
           f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
         for shape in a.shapes.split(","):
-            r = measure(codec, shape, a.repeats, torch.bfloat16, old)
+            r = measure(codec, shape, a.repeats, torch.bfloat16, old, a.pool_pages)
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
                   f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} "
                   f"{r.get('no_int8dot', float('nan')):>9.0f} {r['torch']:>9.0f}"
-                  + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else ""),
+                  + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else "")
+                  + (f"  {r.get('kernel_4k', float('nan')):>9.0f}" if a.pool_pages else ""),
                   flush=True)
     doc = {"cpu": cpu, "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
            "block_size": BS, "dtype": "bfloat16"}, "results": results}

@@ -5,7 +5,8 @@ Bytes
 A layer's pool is one tensor. For a float pool (bf16/fp16/fp32 on both sides) it is the classic
 ``[2, num_blocks, block_size, kv_heads, head_dim]`` (index 0 = K, 1 = V) and attention uses it
 directly. For a lossy pool it is ``uint8 [num_blocks, K bytes + V bytes]``: each block's K region
-then V region, each holding its codec's fields (:mod:`kvserve.kv.quant`) side by side::
+then V region, each holding its codec's fields (:mod:`kvserve.kv.quant`) side by side. On the CPU
+the pool tensors are on transparent huge pages (:func:`kvserve.model.huge_pages.empty_on`)::
 
     block b:  | K: scale fp32 [bs, kvh] | q int8 [bs, kvh, d] | V: scale … | q … |      (int8)
 
@@ -56,6 +57,7 @@ from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, put_blocks
 from kvserve.kv.quant import Fields, KVCodecSpec
 from kvserve.kv.shadow_window import ShadowWindow
 from kvserve.kv.write_plan import PlanBuilder, WritePlan, Writes
+from kvserve.model.huge_pages import empty_on
 
 
 class _Chunk(Protocol):
@@ -98,8 +100,7 @@ class KVStorage:
         # size in that layer (one gather reads both); else None there and K and V are two tensors.
         self.planes: list[torch.Tensor | None] | None = None
         if self.plain_dtype is not None:   # float pool: the classic layout, shared with attention
-            self.plain = [torch.empty((2, *shape), dtype=self.plain_dtype, device=self.device)
-                          for _ in range(num_layers)]
+            self.plain = [empty_on(self.device, (2, *shape), self.plain_dtype) for _ in range(num_layers)]
             self._bufs = list(self.plain)
             self.planes = [t.view(2, num_blocks, -1).view(torch.uint8) for t in self.plain]
         else:
@@ -108,13 +109,13 @@ class KVStorage:
             for layer in range(num_layers):  # a per-layer pool sizes each layer by its own pair
                 kb, vb = self.codecs.regions(layer)
                 if kb == vb:
-                    plane = torch.empty((2, num_blocks, kb), dtype=torch.uint8, device=self.device)
+                    plane = empty_on(self.device, (2, num_blocks, kb), torch.uint8)
                     self._bufs.append(plane)
                     planes.append(plane)
                     self.k_regions.append(plane[0])
                     self.v_regions.append(plane[1])
                 else:
-                    k_buf, v_buf = (torch.empty((num_blocks, n), dtype=torch.uint8, device=self.device) for n in (kb, vb))
+                    k_buf, v_buf = (empty_on(self.device, (num_blocks, n), torch.uint8) for n in (kb, vb))
                     self._bufs += [k_buf, v_buf]
                     planes.append(None)
                     self.k_regions.append(k_buf)

@@ -5,7 +5,12 @@ lines and a page walk for every prefetch that crosses a page. With the kernel's 
 pages in ``madvise`` mode (Debian's default) nothing a program allocates gets them unless it asks.
 Measured on the 2-core Zen 4 EPYC (the tiled kernel's one-row GEMV on the 0.5B shape's matrices,
 distinct copies past the last-level cache, the two layouts alternating): 1.01-1.08x the read
-bandwidth on huge pages (``python benchmarks/huge_pages.py``).
+bandwidth on huge pages (``python benchmarks/huge_pages.py``). The KV pool gains more: a block's
+side of one KV head on the 0.5B shape is 2 KiB and a sequence's blocks are scattered, so with
+4 KiB pages nearly every block the attention kernel reads (and prefetches) is a new page and a TLB
+miss; on huge pages the kernel took 0.82-0.95x the time at 16-64 sequences x 2,048 (session 18,
+``python benchmarks/paged_kernel.py --pool-pages``). ``KVStorage`` allocates its pool with
+:func:`empty_on`.
 
 :func:`empty` returns a tensor over an anonymous mapping whose 2 MiB-aligned interior is
 ``madvise(MADV_HUGEPAGE)``; the last partial 2 MiB stays on small pages, so no page holds more than
@@ -81,6 +86,11 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
         log.debug("madvise(MADV_HUGEPAGE) failed (errno %d); small pages", ctypes.get_errno())
     # the tensor holds the mapping object: unmapped when the last view of it goes
     return torch.frombuffer(m, dtype=dtype, count=numel, offset=start).view(shape)
+
+
+def empty_on(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty` on the CPU; on any other device a plain ``torch.empty`` there."""
+    return empty(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype, device=device)
 
 
 def resident_huge_bytes() -> int:

@@ -66,3 +66,28 @@ def test_checkpoint_tensors_are_read_onto_huge_pages(tmp_path: Path) -> None:
     assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
     if hp.enabled():
         assert got["big"].data_ptr() % hp.HUGE_PAGE == 0
+
+
+@pytest.mark.parametrize("pool", ["bfloat16", "int8", "k:int8,v:int4"])
+def test_the_kv_pool_is_on_huge_pages_and_plain_when_switched_off(pool: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's pool tensor (the float pool, a codec pool's shared plane, a pool whose K and V
+    regions differ in size) starts on a huge page boundary where huge pages may be; with
+    ``KVSERVE_HUGE_PAGES=0`` the pool is an ordinary allocation, and either holds what is written."""
+    from kvserve.kv.quant import parse_kv_codecs
+    from kvserve.kv.storage import KVStorage
+
+    def storage() -> KVStorage:
+        return KVStorage(num_layers=2, num_blocks=2048, block_size=16, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                         pool=parse_kv_codecs(pool, "bfloat16"), group_size=16)
+
+    s = storage()
+    assert s._bufs and all(b.numel() * b.element_size() >= hp.MIN_BYTES for b in s._bufs)
+    if hp.enabled():
+        assert all(b.data_ptr() % hp.HUGE_PAGE == 0 for b in s._bufs)
+    for b in s._bufs:
+        b.fill_(7)
+        assert float(b.reshape(-1)[-1]) == 7
+    monkeypatch.setenv("KVSERVE_HUGE_PAGES", "0")
+    off = storage()
+    assert [b.shape for b in off._bufs] == [b.shape for b in s._bufs]
+    assert any(b.data_ptr() % hp.HUGE_PAGE != 0 for b in off._bufs) or not hp.enabled()
