@@ -39,12 +39,14 @@ from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
 from kvserve.native import fused
 
 ROLES = ("qkv", "o", "mlp", "lm_head")
-BANDS = ("rows<=1", "rows<=16", "rows<=64", "rows>64")
-BAND_ROWS = (1, 16, 64, 256)
+BANDS = ("rows<=1", "rows<=16", "rows<=64", "rows<=128", "rows>128")
+BAND_ROWS = (1, 16, 64, 96, 256)
 """The row count each band is measured at: one decode, a small batch (or a speculative verify),
 a mid-size batch (17-64 decodes: the tiled kernel's AVX512-BF16 rows beat torch's matmul there on
-a Zen 4 by 1.2-1.5x, which a 16/256 split could not see; band added in session 10), prompts."""
-BAND_LIMITS = (1, 16, 64)
+a Zen 4 by 1.2-1.5x, which a 16/256 split could not see; band added in session 10), a chat turn's
+chunk (65-128 rows, session 18: a turn of 64 new tokens ran on the tiled kernel and one of 65 on
+torch's matmul, 1.25x the time), prompts."""
+BAND_LIMITS = (1, 16, 64, 128)
 """The most rows each band but the last takes."""
 
 

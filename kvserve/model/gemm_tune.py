@@ -1,9 +1,9 @@
-"""Time each GEMM path on a model's matrix shapes, at 1, 16, 64 and 256 rows (:data:`BAND_ROWS`).
+"""Time each GEMM path on a model's matrix shapes, at 1, 16, 64, 96 and 256 rows (:data:`BAND_ROWS`).
 
 Weights are synthetic (the model's shapes and dtype, a constant value: GEMM time does not depend
 on the values), so a model can be measured before its checkpoint is read and the planner can
 measure a shape it only knows from a config. Per row count the working set is bounded in weight
-elements: at one, 16 and 64 rows (:func:`decode_working_set`), distinct copies of the matrix run in
+elements: at one, 16, 64 and 96 rows (:func:`decode_working_set`), distinct copies of the matrix run in
 turn until they exceed the last-level cache 1.5 times (a decode step streams every layer's weights
 from memory, so one matrix timed in a loop would measure the cache instead), but never more than
 the whole model (a model that fits in the cache decodes from it), and a matrix larger than that is
@@ -39,7 +39,7 @@ import torch
 from kvserve.model.gemm_paths import BAND_ROWS, build_linear, build_mlp
 
 MIN_DECODE_WORKING_SET = 16 << 20
-"""Weight elements per timed pass at 1, 16 and 64 rows, at least (32 MiB in bf16; 16 and 64 rows share the
+"""Weight elements per timed pass at 1, 16, 64 and 96 rows, at least (32 MiB in bf16; they share the
 one-row matrices)."""
 PREFILL_WORKING_SET = 1 << 20
 """Weight elements per timed pass at 256 rows."""
@@ -75,7 +75,7 @@ def role_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int, vocab
 
 
 def decode_working_set(roles: tuple[RoleShape, ...], dtype: torch.dtype, llc_bytes: int | None) -> int:
-    """Weight elements per timed pass at 1, 16 and 64 rows: 1.5x the last-level cache, capped at the
+    """Weight elements per timed pass at 1, 16, 64 and 96 rows: 1.5x the last-level cache, capped at the
     model's own weights, at least :data:`MIN_DECODE_WORKING_SET`."""
     model = sum(r.elements * r.count for r in roles)
     past_cache = int(1.5 * (llc_bytes or 0)) // dtype.itemsize
@@ -197,7 +197,7 @@ def measure(roles: tuple[RoleShape, ...], paths: tuple[str, ...], dtype: torch.d
             out[rs.role] = [{p: timer(rs, r, p, dtype) for p in paths} for r in BAND_ROWS]
             continue
         got: dict[int, dict[str, float]] = {}
-        for group, working_set in (((1, 16, 64), decode_set), ((256,), PREFILL_WORKING_SET)):
+        for group, working_set in (((1, 16, 64, 96), decode_set), ((256,), PREFILL_WORKING_SET)):
             got.update(time_role(rs, group, paths, dtype, working_set))
         out[rs.role] = [got[r] for r in BAND_ROWS]
     return out

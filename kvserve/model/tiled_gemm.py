@@ -5,7 +5,7 @@ extensions) reads each weight as loaded: row-major, in its own dtype, no repacke
 can run this path in one row band and torch's matmul in another on the same tensor (the GEMM plan
 splits bands between the two at no memory cost), and a tied logits projection reads the embedding
 itself. A decode step's few rows (up to 16) run as register-blocked dot products over groups of 4
-weight rows, widened in registers (on AVX512-BF16 CPUs, bf16 inputs of up to 64 rows: ``vdpbf16ps``
+weight rows, widened in registers (on AVX512-BF16 CPUs, bf16 inputs of up to 128 rows: ``vdpbf16ps``
 on 6 input rows a pass, no widening), the next group prefetched into L2 line by line, split over
 torch's intra-op threads (OpenMP: a fork costs microseconds, against ~50-75 us for the Python pool
 FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them with MKL's sgemm,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class KernelChoice:
     role: str                      # e.g. "gemm", "attention_decode", "rmsnorm"
-    band: str                      # e.g. "rows<=1", "rows<=16", "rows<=64", "rows>64", "all"
+    band: str                      # e.g. "rows<=1", "rows<=16", "rows<=64", "rows<=128", "rows>128", "all"
     choice: str                    # e.g. "fbgemm_fp16", "onednn_bf16", "native_paged"
     timings_us: dict[str, float] = field(default_factory=dict)  # candidate -> median us measured
     source: str = "measured"       # "measured", "cached", "fallback", "forced"

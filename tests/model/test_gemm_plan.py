@@ -166,8 +166,8 @@ def test_without_a_fast_half_path_the_model_loads_native(hf_checkpoint: Checkpoi
 
 
 def test_band_of() -> None:
-    assert BANDS == ("rows<=1", "rows<=16", "rows<=64", "rows>64")
-    assert [band_of(n) for n in (0, 1, 2, 16, 17, 64, 65, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert BANDS == ("rows<=1", "rows<=16", "rows<=64", "rows<=128", "rows>128")
+    assert [band_of(n) for n in (0, 1, 2, 16, 17, 64, 65, 128, 129, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 def test_a_plan_decided_on_fewer_bands_uses_the_bands_it_was_given() -> None:

@@ -42,13 +42,13 @@ def test_the_module_reads_the_weight_it_was_given_not_a_copy() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 11, 13, 16, 17, 40, 64, 65, 520])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 11, 13, 16, 17, 40, 64, 65, 127, 128, 129, 520])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (6, 16), (7, 24), (130, 1032)])
 def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
     """Both regimes (<= 16 rows: register dots over 4-row groups, the last one short when N is not
     a multiple of 4, the rows in passes of 6, 4, 2 and 1 on the AVX512-BF16 path (8-row groups for
     one or two input rows there), which takes bf16
-    inputs of up to 64 rows, every mix of which some row count here takes; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
+    inputs of up to 128 rows, every mix of which some row count here takes; more: widened panels, K sliced at 512 when it is longer; over 512 rows, the
     rows in blocks of 512) give the fp32 product of the half weights up to summation order, bias added, and
     every output dtype is that fp32 result rounded once."""
     w = _w(n, k, dtype)
@@ -66,7 +66,7 @@ def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n:
 
 @pytest.mark.parametrize("n", [8, 13, 130, 1029])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int) -> None:
-    """Every output of the register kernel (calls of up to 64 rows on the AVX512-BF16 path, up to
+    """Every output of the register kernel (calls of up to 128 rows on the AVX512-BF16 path, up to
     16 on the AVX2 one; more rows go through sgemm on widened panels) is one dot product with its
     own accumulator and reduction, whichever weight group size (8 rows for one or two input rows
     on the AVX512-BF16 path, 4 otherwise) and pass the call takes: the same input row gives
@@ -75,18 +75,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int) -> None:
     k = 904  # not a multiple of 32: the masked tail step too
     w = _w(n, k, torch.bfloat16)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
-    span = 64 if tiled_gemm._ext().bf16_dot() else 16  # type: ignore[union-attr]
+    span = 128 if tiled_gemm._ext().bf16_dot() else 16  # type: ignore[union-attr]
     x = torch.randn(span, k, generator=torch.Generator().manual_seed(5)).bfloat16()
     lin = TiledLinear(w, bias, torch.float32)
     whole = lin(x)
     for rows in (1, 2, 3, 5, 7 if span == 16 else 17):
-        for r0 in range(0, span - rows + 1, 13 if span == 64 else 3):
+        for r0 in range(0, span - rows + 1, 13 if span == 128 else 3):
             assert torch.equal(lin(x[r0:r0 + rows]), whole[r0:r0 + rows]), (rows, r0)
 
 
 def test_bf16_calls_of_few_rows_use_avx512_bf16_where_the_build_targets_it() -> None:
     """The build targets this CPU (or ``KVSERVE_NATIVE_MARCH``): where the target has AVX512-BF16
-    the bf16 x bf16 regime is compiled in (so the cases above ran it for bf16 inputs of up to 64
+    the bf16 x bf16 regime is compiled in (so the cases above ran it for bf16 inputs of up to 128
     rows); elsewhere it is not."""
     from kvserve.bench.machine import cpu_info
     from kvserve.native import march, target_features

@@ -40,7 +40,7 @@ def test_kernel_choices_are_exposed_one_series_per_role_and_band(live):
     got = {(s.labels["role"], s.labels["band"]): s.labels["choice"] for s in fam.samples}
     assert {s.value for s in fam.samples} == {1.0}
     assert got == {(c.role, c.band): c.choice for c in choices()}
-    assert {("gemm_qkv", "rows<=1"), ("gemm_lm_head", "rows>64")} <= set(got)
+    assert {("gemm_qkv", "rows<=1"), ("gemm_lm_head", "rows<=128"), ("gemm_lm_head", "rows>128")} <= set(got)
 
 
 def test_request_metrics_match_what_the_requests_returned(live, client):

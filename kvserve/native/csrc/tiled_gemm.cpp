@@ -36,7 +36,8 @@ namespace {
 constexpr int64_t kRows = 4;      // weight rows per group
 constexpr int64_t kChunk = 8;     // values per row per chunk
 constexpr int64_t kDotRows = 16;  // input rows up to which the AVX2 register kernel runs
-constexpr int64_t kDotRowsBf16 = 64;  // ... and the AVX512-BF16 one (1.2-1.5x torch's matmul at 32-64 rows on a Zen 4)
+constexpr int64_t kDotRowsBf16 = 128;  // ... and the AVX512-BF16 one (1.2-1.5x torch's matmul at 32-64 rows on a Zen 4;
+                                        // 128 since session 18: one pass over the weights for 65-128 rows)
 constexpr int64_t kPanel = 32;    // groups (128 weight rows) per panel of the many-rows path
 constexpr int64_t kSlice = 512;   // K values per widened slice: 128 x 512 fp32 = 256 KiB
 constexpr int64_t kRowBlock = 512;  // input rows per pass of the kernel (the caller's rows in blocks)
