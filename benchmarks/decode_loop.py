@@ -6,7 +6,7 @@ machine's bf16 GEMM peak beside it.
 
 The model loads, a 512-token prompt is prefilled, then ``--steps`` decode steps run; ``-D`` skips
 the loading in the profile. Prints ms per step and, with ``--peak``, torch's bf16 matmul rate
-(GMAC/s at n x n x n: oneDNN's peak on this CPU, the ceiling an attention kernel could reach).
+(GMAC/s at n x n x n: oneDNN's rate on this CPU; the instruction's own ceiling: benchmarks/dot_peak.py).
 Session 16 (Zen 4 EPYC): 72 % of the samples in the tiled kernel's one-row GEMVs; peak 189-211
 GMAC/s across runs.
 """

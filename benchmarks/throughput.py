@@ -140,7 +140,8 @@ def single_stream(run_one, args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------------------------
 # workers: one per engine, run in a subprocess, print one JSON line
-def worker_kvserve(args: argparse.Namespace) -> dict:
+def kvserve_runner(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """(kvserve's engine, its ``run_one(prompt_ids, new_tokens) -> (ttft_s, s_per_token)``)."""
     from kvserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="3GiB", num_threads=args.threads, device=args.device,
@@ -159,6 +160,11 @@ def worker_kvserve(args: argparse.Namespace) -> dict:
                     end = time.perf_counter()
                     return first - t0, (end - first) / max(new - 1, 1)
 
+    return eng, run_one
+
+
+def worker_kvserve(args: argparse.Namespace) -> dict:
+    eng, run_one = kvserve_runner(args)
     res = single_stream(run_one, args)
     if args.device != "cpu":  # the batch shapes' graphs, captured before the timed runs
         short = argparse.Namespace(**{**vars(args), "batch_new": 4})
@@ -242,7 +248,8 @@ def worker_transformers(args: argparse.Namespace) -> dict:
     return res
 
 
-def worker_llama_cpp(args: argparse.Namespace) -> dict:
+def llama_cpp_runner(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """(llama.cpp's ``Llama`` on the checkpoint's GGUF, its ``run_one`` as ``kvserve_runner``'s)."""
     import llama_cpp
 
     from benchmarks.llama_cpp_convert import to_gguf
@@ -265,6 +272,11 @@ def worker_llama_cpp(args: argparse.Namespace) -> dict:
         end = time.perf_counter()
         return first - t0, (end - first) / max(new - 1, 1)
 
+    return llm, run_one
+
+
+def worker_llama_cpp(args: argparse.Namespace) -> dict:
+    llm, run_one = llama_cpp_runner(args)
     res = single_stream(run_one, args)
     prompts = [prompt_ids(args.batch_prompt, 100 + i) for i in range(args.batch)]
     res["batch_tok_s"], res["batch_decode_phase_tok_s"] = llama_cpp_batched(llm, args, prompts)
