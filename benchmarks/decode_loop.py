@@ -18,24 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from dot_peak import matmul_rate
 from throughput import CACHE, ensure_model, prompt_ids
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.machine import cpu_info
-
-
-def bf16_peak(n: int, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return n ** 3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> None:
@@ -61,7 +51,7 @@ def main() -> None:
     print(f"decode: {(time.perf_counter() - t0) / max(steps, 1) * 1e3:.2f} ms per step over {steps} steps")
     if args.peak:
         for n in (1024, 2048):
-            print(f"torch bf16 matmul {n}^3: {bf16_peak(n):.0f} GMAC/s")
+            print(f"torch bf16 matmul {n}^3: {matmul_rate(n):.0f} GMAC/s")
 
 
 if __name__ == "__main__":

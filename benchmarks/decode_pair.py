@@ -25,7 +25,6 @@ fed one run at a time over a pipe: an idle worker blocks on its pipe, so neither
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kv_quant import paired_ratio
+from kv_quant import paired_ratio, paired_text
 from throughput import CACHE, ensure_model, kvserve_runner, llama_cpp_runner, probe_bandwidth, prompt_ids
+
+from kvserve.bench.results import write_json
 
 
 def serve(engine: str, a: argparse.Namespace, contexts: list[int]) -> None:
@@ -116,14 +117,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{'kvserve faster':>15} {'probe GB/s':>12}")
     for n, row in rows.items():
         p, m = row["paired_kvserve_vs_llama_cpp"], row["ms_per_token"]
-        print(f"{n:>8} {m['kvserve']:>15.2f} {m['llama.cpp']:>17.2f} "
-              f"{p['median']:>13.3f} ({p['ci95_low']:.3f}-{p['ci95_high']:.3f}) {p['faster_share']:>15.0%} "
-              f"{statistics.median(row['probe_gb_s']):>12.1f}")
-    doc = {"cpu": cpu, "threads": a.threads, "command": " ".join(sys.argv), "tokens": a.tokens, "rounds": a.rounds,
-           "wall_s": round(time.time() - t0, 1), "contexts": rows}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {a.json}", file=sys.stderr)
+        print(f"{n:>8} {m['kvserve']:>15.2f} {m['llama.cpp']:>17.2f} {paired_text(p):>30} "
+              f"{p['faster_share']:>15.0%} {statistics.median(row['probe_gb_s']):>12.1f}")
+    write_json(a.json, {"cpu": cpu, "threads": a.threads, "command": " ".join(sys.argv), "tokens": a.tokens,
+                        "rounds": a.rounds, "wall_s": round(time.time() - t0, 1), "contexts": rows})
 
 
 if __name__ == "__main__":

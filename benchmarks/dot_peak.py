@@ -18,7 +18,6 @@ same loop ran twice as fast, so the operands here are distinct, as in a kernel.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvserve.bench.machine import cpu_info
+from kvserve.bench.results import write_json
 from kvserve.native import march
 
 SOURCE = r"""
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.update({f"torch_bf16_matmul_{n}_gmac_per_s": matmul_rate(n) for n in (1024, 2048)})
     for k, v in rows.items():
         print(f"{k:<36} {'n/a' if v is None else f'{v:8.1f}'}")
-    doc = {"cpu": cpu, "threads": a.threads, "command": " ".join(sys.argv), **rows}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {a.json}", file=sys.stderr)
+    write_json(a.json, {"cpu": cpu, "threads": a.threads, "command": " ".join(sys.argv), **rows})
 
 
 if __name__ == "__main__":

@@ -262,6 +262,11 @@ def paired_ratio(xs: list[float], base: list[float]) -> dict[str, float]:
             "faster_share": sum(x < 1.0 for x in r) / n, "rounds": n}
 
 
+def paired_text(p: dict[str, float]) -> str:
+    """A paired ratio as ``median (low-high)``, its 95 % interval in brackets."""
+    return f"{p['median']:.3f} ({p['ci95_low']:.3f}-{p['ci95_high']:.3f})"
+
+
 def table(results: dict[str, dict[str, object]], contexts: list[int]) -> str:
     head = f"{'codec':<16} {'B/token':>8} {'tok/GiB':>9} {'×bf16':>6}"
     for c in contexts:
@@ -272,7 +277,7 @@ def table(results: dict[str, dict[str, object]], contexts: list[int]) -> str:
         for c in contexts:
             m = r["contexts"][str(c)]  # type: ignore[index]
             p = m["paired_vs_bf16"]
-            ci = f"{p['median']:.3f} ({p['ci95_low']:.3f}-{p['ci95_high']:.3f})"
+            ci = paired_text(p)
             line += (f" | {'':>10} {m['ms_per_token']:>7.1f} {m['step_vs_bf16']:>6.2f} {ci:>17} "
                      f"{m['attn_ms']:>7.2f} {m['attn_vs_bf16']:>6.2f}")
         lines.append(line)

@@ -18,7 +18,6 @@ Prints a table and writes JSON (default ``benchmarks/results/pool_pages_ab.json`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kv_quant import CACHE, ensure_model, make_engines, paired_ratio, run_all
+from kv_quant import CACHE, ensure_model, make_engines, paired_ratio, paired_text, run_all
 
+from kvserve.bench.results import write_json
 from kvserve.kv import storage as storage_mod
 from kvserve.model import huge_pages
 
@@ -71,14 +71,10 @@ def main(argv: list[str] | None = None) -> None:
         h, s = res["huge"]["contexts"][str(c)], res["4k"]["contexts"][str(c)]  # type: ignore[index]
         p = paired_ratio(h["step_samples_ms"], s["step_samples_ms"])
         rows[str(c)] = {"huge_step_ms": h["step_ms"], "small_step_ms": s["step_ms"], "paired_huge_vs_4k": p}
-        print(f"{c:>8} {h['step_ms']:>9.1f} {s['step_ms']:>9.1f} "
-              f"{p['median']:>10.3f} ({p['ci95_low']:.3f}-{p['ci95_high']:.3f}) {p['faster_share']:>7.0%}")
-    doc = {"model": str(model), "cpu": cpu, "thp": huge_pages.thp_mode(), "codec": a.codec, "batch": a.batch,
-           "steps": a.steps, "threads": torch.get_num_threads(), "command": " ".join(sys.argv),
-           "wall_s": round(time.time() - t0, 1), "contexts": rows}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {a.json}", file=sys.stderr)
+        print(f"{c:>8} {h['step_ms']:>9.1f} {s['step_ms']:>9.1f} {paired_text(p):>26} {p['faster_share']:>7.0%}")
+    write_json(a.json, {"model": str(model), "cpu": cpu, "thp": huge_pages.thp_mode(), "codec": a.codec,
+                        "batch": a.batch, "steps": a.steps, "threads": torch.get_num_threads(),
+                        "command": " ".join(sys.argv), "wall_s": round(time.time() - t0, 1), "contexts": rows})
 
 
 if __name__ == "__main__":
