@@ -168,8 +168,8 @@ def decide(timings: dict[str, list[dict[str, float]]], role_bytes: dict[str, int
 
 
 LAYER_ROLES = ("qkv", "o", "mlp")
-LOOP_BANDS = 3
-"""The bands whose steps the native layer loop runs (rows<=1, rows<=16, rows<=64: its MAX_ROWS)."""
+LOOP_BANDS = 4
+"""The bands whose steps the native layer loop runs (rows<=1 ... rows<=128: its MAX_ROWS)."""
 LAYER_LOOP_SAVING_US = 100.0
 """What running a step's layers in kvserve's native loop saves per layer, in µs, taken low: the loop
 (:mod:`kvserve.model.decode_stack`) runs only where every layer role of the step's band is on the

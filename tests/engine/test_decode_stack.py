@@ -75,6 +75,7 @@ def test_the_stack_is_bit_equal_to_the_per_layer_path(case: str, checkpoint: Che
     stacked = generate(path, prompts) + generate(path, prompts[1:2])
     assert stack_calls and max(stack_calls) <= decode_stack.MAX_ROWS
     assert {1, 3, 23} <= set(stack_calls)  # a lone decode, a batch of three, a prompt's chunk
+    assert any(64 < r <= 128 for r in stack_calls)  # the three prompts' first step (98 rows)
     n = len(stack_calls)
     monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
     per_layer = generate(path, prompts) + generate(path, prompts[1:2])

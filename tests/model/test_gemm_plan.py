@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.bench.machine import last_level_cache_bytes
-from kvserve.model import gemm_plan
+from kvserve.model import decode_stack, gemm_plan
 from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
 from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, NativeMLP, band_of
@@ -378,32 +378,32 @@ def test_cached_timings_are_keyed_by_the_openmp_wait_policy(monkeypatch: pytest.
 
 
 def test_a_band_keeps_the_native_layer_loop_when_its_layer_roles_lose_little_on_the_tiled_kernel() -> None:
-    """Steps of up to 64 rows run every layer in one native call only where qkv, o and the MLP of
+    """Steps of up to 128 rows run every layer in one native call only where qkv, o and the MLP of
     the step's band are all on the tiled kernel (kvserve.model.decode_stack); that call saves more
     than LAYER_LOOP_SAVING_US a layer. A layer role a little faster on torch's matmul in such a
-    band goes to the tiled kernel; one much faster stays; the band above 64 rows is never moved,
+    band goes to the tiled kernel; one much faster stays; the band above 128 rows is never moved,
     and without all three layer roles timed (so the loop cannot be judged) nothing moves."""
     tiled, layers = "kvserve_tiled", 24
-    fast = [{"native": 3000.0, tiled: 1000.0}] * 4
-    close = [{"native": 1000.0, tiled: 3000.0}, {"native": 1000.0, tiled: 1080.0},  # -80 µs a layer
-             {"native": 1000.0, tiled: 1080.0}, {"native": 1000.0, tiled: 1080.0}]
+    assert gemm_plan.LOOP_BANDS == 4 and decode_stack.MAX_ROWS == 128
+    fast = [{"native": 3000.0, tiled: 1000.0}] * 5
+    close = [{"native": 1000.0, tiled: 3000.0}] + [{"native": 1000.0, tiled: 1080.0}] * 4  # -80 µs a layer
     counts = {"qkv": layers, "o": layers, "mlp": layers, "lm_head": 1}
     rb = {"qkv": 1, "o": 1, "mlp": 1, "lm_head": 1}
     plan = decide({"qkv": fast, "o": fast, "mlp": close, "lm_head": fast}, rb, 0, "measured", counts)
-    assert plan.paths["mlp"] == ("native", tiled, tiled, "native")  # rows<=1: 2,000 µs a layer is too much
-    assert plan.paths["qkv"] == plan.paths["o"] == (tiled,) * 4
+    assert plan.paths["mlp"] == ("native", tiled, tiled, tiled, "native")  # rows<=1: 2,000 µs a layer is too much
+    assert plan.paths["qkv"] == plan.paths["o"] == (tiled,) * 5
     # the loss is summed over the band's layer roles: two roles 45 µs a layer slower each (90 in
     # all) still fit under the saving, two 55 slower (110) do not
     def off_by(us: float) -> list[dict[str, float]]:
-        return [{"native": 1000.0, tiled: 3000.0}] + [{"native": 1000.0, tiled: 1000.0 + us}] * 3
+        return [{"native": 1000.0, tiled: 3000.0}] + [{"native": 1000.0, tiled: 1000.0 + us}] * 4
 
     assert gemm_plan.LAYER_LOOP_SAVING_US == 100.0  # what the two cases below straddle
     two = decide({"qkv": off_by(45), "o": fast, "mlp": off_by(45)}, rb, 0, "measured", counts).paths
-    assert two["qkv"][1:3] == two["mlp"][1:3] == (tiled, tiled)
+    assert two["qkv"][1:4] == two["mlp"][1:4] == (tiled, tiled, tiled) and two["mlp"][4] == "native"
     apart = decide({"qkv": off_by(55), "o": fast, "mlp": off_by(55)}, rb, 0, "measured", counts).paths
-    assert apart["qkv"][1:3] == apart["mlp"][1:3] == ("native", "native")
+    assert apart["qkv"][1:4] == apart["mlp"][1:4] == ("native", "native", "native")
     # no o timed: the loop's condition cannot be judged, the timings alone decide
-    assert decide({"qkv": fast, "mlp": close}, rb, 0, "measured", counts).paths["mlp"] == ("native",) * 4
+    assert decide({"qkv": fast, "mlp": close}, rb, 0, "measured", counts).paths["mlp"] == ("native",) * 5
 
 
 def test_keeping_the_layer_loop_never_exceeds_the_memory_budget() -> None:
