@@ -20,7 +20,7 @@ Paths are timed one after another, so a drift of a shared host between them land
 logits on oneDNN's copy in every band and timed the tiled MLP at 2.8x its speed). So where the
 fastest paths of a row count (up to :data:`REMATCH_MAX`, two until session 18) are within
 :data:`REMATCH_WITHIN` of the fastest, they are timed again in alternation (:func:`rematch`:
-A B C, C B A ..., :data:`REMATCH_PASSES` passes each) and those medians replace their first
+A B C D, D C B A ..., :data:`REMATCH_PASSES` passes each) and those medians replace their first
 timings: a close call is decided on timings that shared the host's state.
 
 Reported figures are microseconds per call on the role's full matrix (a cut matrix's time scaled
@@ -49,10 +49,11 @@ ABORT_RATIO = 3.0
 REMATCH_WITHIN = 1.5
 """The paths of a row count within this ratio of its fastest are timed again, alternating."""
 REMATCH_PASSES = 4
-REMATCH_MAX = 3
-"""Paths timed again at most (their modules are held at once). Session 18: a plan timed with the
-tiled kernel third at one row (1,184 µs against 831 and 903; 364-914 in other timings that day)
-put the MLP on oneDNN's copy in every band, decode included."""
+REMATCH_MAX = 4
+"""Paths timed again at most (their modules are held at once: up to 4 working sets of scratch).
+Session 18: a plan timed the tiled MLP fourth at one row (1,184 µs against 831, 903 and 905;
+364-914 in other timings that day) and put the MLP on oneDNN's copy in every band, decode
+included."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def rematch(times: dict[str, float], build: Callable[[str], list[torch.nn.Module
             time_pass: Callable[[list[torch.nn.Module], torch.Tensor], float] | None = None) -> dict[str, float]:
     """``times`` ({path: us}) with its fastest paths, up to :data:`REMATCH_MAX` of those within
     :data:`REMATCH_WITHIN` of the fastest, timed again in alternation when there are two or more
-    (``build(path)`` gives a path's modules; the order alternates A B C, C B A ...,
+    (``build(path)`` gives a path's modules; the order alternates A B C D, D C B A ...,
     :data:`REMATCH_PASSES` passes each, medians). Other entries unchanged."""
     ranked = sorted(times, key=times.__getitem__)
     pair = [p for p in ranked[:REMATCH_MAX] if times[p] <= REMATCH_WITHIN * times[ranked[0]]]

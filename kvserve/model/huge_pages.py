@@ -8,7 +8,7 @@ distinct copies past the last-level cache, the two layouts alternating): 1.01-1.
 bandwidth on huge pages (``python benchmarks/huge_pages.py``). The KV pool gains more: a block's
 side of one KV head on the 0.5B shape is 2 KiB and a sequence's blocks are scattered, so with
 4 KiB pages nearly every block the attention kernel reads (and prefetches) is a new page and a TLB
-miss; on huge pages the kernel took 0.82-0.95x the time at 16-64 sequences x 2,048 (session 18,
+miss; on huge pages the kernel took 0.82-0.96x the time at 16-64 sequences x 2,048 (session 18,
 ``python benchmarks/paged_kernel.py --pool-pages``). ``KVStorage`` allocates its pool with
 :func:`empty_on`.
 
