@@ -1,12 +1,12 @@
 """What the GEMM plan's 64-row band buys: decode steps of mid-size batches with the band on its
-own path against the band taking the >64-row band's path (the plan before session 10, when
-everything above 16 rows ran there), switched inside one engine, rounds alternating.
+own path against the band taking the prompt band's path (``rows>128``; the plan before session
+10, when everything above 16 rows ran there), switched inside one engine, rounds alternating.
 
     python benchmarks/band_ab.py                      # batches of 32 and 48 sequences of 256 tokens
     python benchmarks/band_ab.py --batch 24,64 --rounds 8
 
 Every :class:`~kvserve.model.gemm_paths.BandDispatch` of the loaded model is switched between its
-planned ``band_path`` and one whose ``rows<=64`` entry is the ``rows>64`` one; roles whose plan
+planned ``band_path`` and one whose ``rows<=64`` entry is the last band's; roles whose plan
 names one path for every band are not dispatched and do not change. Prints the CPU, the plan and
 a table, and writes JSON (default ``benchmarks/results/band_ab.json``).
 """
@@ -27,6 +27,7 @@ from throughput import CACHE
 
 from kvserve import LLM
 from kvserve.bench.machine import cpu_info
+from kvserve.model import decode_stack
 from kvserve.model.gemm_paths import BANDS, BandDispatch
 from kvserve.native.choices import choices
 
@@ -51,18 +52,19 @@ def main() -> None:
             if c.role.startswith("gemm_")]
     for c in plan:
         print(f"  {c['role']:<13} {c['band']:<9} {c['choice']}")
-    mid, top = BANDS.index("rows<=64"), BANDS.index("rows>64")
+    mid, top = BANDS.index("rows<=64"), len(BANDS) - 1
     disp = [m for m in eng.runner.model.modules() if isinstance(m, BandDispatch)]
     planned = {id(m): m.band_path for m in disp}
     variants = {
         "rows<=64 planned": lambda bp: bp,
-        "rows<=64 on the rows>64 path": lambda bp: tuple(bp[top] if b == mid else p for b, p in enumerate(bp)),
+        f"rows<=64 on the {BANDS[top]} path": lambda bp: tuple(bp[top] if b == mid else p for b, p in enumerate(bp)),
     }
 
     def use(name: str) -> Callable[[], None]:
         def switch() -> None:
             for m in disp:
                 m.band_path = variants[name](planned[id(m)])
+            decode_stack.forget(eng.runner.model)  # the layer loop looks at the bands' modules again
         return switch
 
     rows = []
