@@ -39,6 +39,7 @@ from kvserve.model import attention, attention_native
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.attention_backends import AttentionBackend, TorchSDPABackend, get_backend
 from kvserve.model.attention_native import NativePagedBackend
+from kvserve.native import extensions
 from kvserve.native.choices import KernelChoice, record
 
 log = logging.getLogger("kvserve")
@@ -59,7 +60,7 @@ def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
 
     cpu = cpu_info()
     # Both sides' code: the kernel's source and the torch path's (a change to either retimes).
-    code = (native.CSRC / attention_native.SOURCES[0]).read_bytes() + Path(attention.__file__).read_bytes()
+    code = (native.CSRC / extensions.PAGED.sources[0]).read_bytes() + Path(attention.__file__).read_bytes()
     src = hashlib.sha256(code).hexdigest()[:12]
     return (f"{cpu['model']}|{','.join(cpu['flags'])}|torch {torch.__version__}|kernel {src}|"
             f"omp {native.wait_policy()}|march {native.march()}|"

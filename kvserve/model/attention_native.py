@@ -33,11 +33,9 @@ from kvserve.kv.layer_kv import CodecLayerKV, LayerKV, PlainLayerKV, as_layer_kv
 from kvserve.kv.quant import Fp8Codec, IdentityCodec, Int4ChannelCodec, Int4TokenCodec, Int8Codec
 from kvserve.model import attention
 from kvserve.model.attention import AttentionMetadata, StepPlan
-from kvserve.native import fused
+from kvserve.native import extensions, fused
 
-EXTENSION = "kvserve_paged"
-SOURCES = ["paged_attention.cpp"]
-INCLUDES = ["paged_int8.h"]
+EXTENSION = extensions.PAGED.name
 FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 """The kernel's code for a float pool's (and a query's) dtype."""
 # Query tokens per task in a prefill chunk (rows = tokens x the GQA group): enough rows to reuse
@@ -55,7 +53,7 @@ IMPL = 0
 
 def native_module() -> ModuleType | None:
     """The compiled kernel, built on first use; None (with :func:`unavailable_reason`) when not."""
-    return native.load_extension(EXTENSION, SOURCES, includes=INCLUDES)
+    return extensions.load(extensions.PAGED)
 
 
 def unavailable_reason() -> str | None:

@@ -43,12 +43,9 @@ from kvserve.model import attention_native
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gemm_paths import BandDispatch, band_of
 from kvserve.model.tiled_gemm import TiledLinear, TiledMLP
-from kvserve.native import fused, load_extension
+from kvserve.native import extensions, fused
 from kvserve.native.choices import KernelChoice, record
 
-EXTENSION = "kvserve_stack"
-SOURCES = ["decode_stack.cpp"]
-INCLUDES = ["tiled_gemm.cpp", "fused_ops.cpp", "paged_attention.cpp", "paged_int8.h"]
 MAX_ROWS = 128
 """Steps of up to this many tokens (the tiled kernel's register bands, 64 until session 18: a chat
 turn's 65-token chunk then ran layer by layer); longer chunks are compute, where Python's share is
@@ -61,7 +58,7 @@ def enabled() -> bool:
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    mod = load_extension(EXTENSION, SOURCES, includes=INCLUDES)
+    mod = extensions.load(extensions.STACK)
     record(KernelChoice("decode_stack", f"rows<={MAX_ROWS}", "native" if mod is not None else "per-layer", {},
                         "default" if mod is not None else "fallback: the stack did not build"))
     return mod

@@ -29,6 +29,7 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.memory_release import release_free_memory
 from kvserve.model.registry import get_model_class
 from kvserve.model.safetensors_read import read_tensors
+from kvserve.native import extensions
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model recomputes or does not need.
@@ -194,7 +195,8 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
     measured fastest for this machine, per row band (:mod:`kvserve.model.gemm_plan`: torch's
     native matmul or FBGEMM's fp16-weight GEMM; measured before the weights are read, so its
     scratch memory is gone before they arrive); ``True`` forces FBGEMM fp16 everywhere, ``False``
-    torch's native matmul.
+    torch's native matmul. On a CPU every native kernel is built (or loaded from its cache) first,
+    :func:`kvserve.native.extensions.prebuild`.
     """
     root = Path(path)
     config = load_model_config(root, dtype)
@@ -209,6 +211,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str | torch.device
         raise ValueError("cpu_fp16_gemm: this torch build has no FBGEMM fp16 GEMM")
     plan = None
     if dev.type == "cpu":
+        extensions.prebuild()  # every native kernel now, side by side: none is left to a request
         forced = {None: None, True: "fbgemm_fp16", False: "native"}[cpu_fp16_gemm]
         plan = plan_for(model_roles(model), torch_dtype(config.dtype), forced)
         release_free_memory()

@@ -30,14 +30,14 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from kvserve.native import fused, load_extension
+from kvserve.native import extensions, fused
 
 _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    mod = load_extension("kvserve_tiled_gemm", ["tiled_gemm.cpp"])
+    mod = extensions.load(extensions.TILED_GEMM)
     return mod if mod is not None and mod.available() else None
 
 

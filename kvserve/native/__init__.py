@@ -13,6 +13,7 @@ older CPUs, or this machine running the code paths such a CPU gets (the test sui
 :func:`target_features` says which instruction sets the build has, whatever the target.
 
 Invariant: a build failure is never raised to the caller and is tried once per process.
+:mod:`kvserve.native.extensions` lists every extension and builds them side by side at model load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from types import ModuleType
 
 log = logging.getLogger("kvserve.native")
 CSRC = Path(__file__).parent / "csrc"
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _locks
+_locks: dict[str, threading.Lock] = {}  # one per extension: different names build at once
 _built: dict[str, ModuleType | None] = {}
 _why: dict[str, str] = {}
 
@@ -104,11 +106,15 @@ def load_extension(name: str, sources: list[str], extra_cflags: list[str] | None
                    includes: list[str] | None = None) -> ModuleType | None:
     """The compiled module ``name`` built from ``sources`` (names under ``csrc/``), or ``None``.
     ``includes``: files under ``csrc/`` the sources ``#include`` (staged beside them and part of the
-    build key, not compiled on their own)."""
+    build key, not compiled on their own). Thread-safe: a name builds once, different names at once
+    (:func:`kvserve.native.extensions.prebuild`)."""
     with _lock:
+        lock = _locks.setdefault(name, threading.Lock())
+    with lock:
         if name in _built:
             return _built[name]
-        _built[name] = mod = _try_build(name, sources, extra_cflags or [], includes or [])
+        mod = _try_build(name, sources, extra_cflags or [], includes or [])
+        _built[name] = mod
         return mod
 
 

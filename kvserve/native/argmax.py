@@ -17,14 +17,14 @@ from types import ModuleType
 
 import torch
 
-from kvserve.native import load_extension
+from kvserve.native import extensions
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    return load_extension("kvserve_argmax", ["argmax.cpp"])
+    return extensions.load(extensions.ARGMAX)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kvserve.native import load_extension, unavailable_reason
+from kvserve.native import extensions, unavailable_reason
 from kvserve.native.choices import KernelChoice, record
 
 _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -28,8 +28,8 @@ _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    mod = load_extension("kvserve_fused", ["fused_ops.cpp"])
-    why = unavailable_reason("kvserve_fused")
+    mod = extensions.load(extensions.FUSED)
+    why = unavailable_reason(extensions.FUSED.name)
     record(KernelChoice("fused_ops", "all", "native" if mod is not None else "torch", {},
                         "default" if mod is not None else f"fallback: {why}"))
     return mod

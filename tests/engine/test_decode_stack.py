@@ -61,6 +61,9 @@ def stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def generate(path: Path, prompts: list[list[int]], kv_press: str | None = None, **kw: Any) -> list[Any]:
+    """Greedy, with the native attention forced: the stack runs only on its plan, and the measured
+    choice for a tiny model's prefill chunk is torch's SDPA on some CPUs (an AMX Xeon)."""
+    kw.setdefault("attention_backend", "native")
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False, num_threads=2, **kw)
     sp = SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, kv_press=kv_press)

@@ -23,20 +23,15 @@ HAS_CXX = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")) 
 # the tests that cover every native kernel and its fallbacks, and the model against transformers
 SUBSET = ["tests/native", "tests/model/test_tiled_gemm.py", "tests/model/test_paged_attention.py",
           "tests/engine/test_decode_stack.py", "tests/model/test_model_parity.py"]
-# each module built in one of two processes at once (the two cores), before the tests load them
+# every extension built, two at a time (the two cores), before the tests load them
 BUILD = """
 import sys
-from kvserve.model import attention_native, decode_stack, tiled_gemm
-from kvserve.native import argmax, fused
 from kvserve import native
-load = {"tiled": lambda: native.load_extension("kvserve_tiled_gemm", ["tiled_gemm.cpp"]),
-        "paged": attention_native.native_module, "stack": decode_stack._ext, "fused": fused._ext,
-        "argmax": argmax._ext}
-for name in sys.argv[1:]:
-    if load[name]() is None:
-        sys.exit(f"{name}: {native._why}")
+from kvserve.native import extensions
+failed = [name for name, ok in extensions.prebuild().items() if not ok]
+if failed:
+    sys.exit(f"{failed}: {native._why}")
 """
-
 
 def test_the_target_is_this_cpu_unless_the_environment_names_another(monkeypatch):
     monkeypatch.delenv("KVSERVE_NATIVE_MARCH", raising=False)
@@ -108,12 +103,9 @@ def test_the_kernels_of_a_cpu_without_avx512_build_and_pass_their_tests(target: 
     """x86-64-v3: AVX2 + FMA + F16C (the tiled AVX2 GEMM and attention paths, no bf16-dot or
     int8-dot); x86-64: none of them (the scalar and torch paths)."""
     env = {**os.environ, "KVSERVE_NATIVE_MARCH": target, "PYTHONPATH": str(ROOT)}
-    builders = [subprocess.Popen([sys.executable, "-c", BUILD, *names], env=env, cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for names in (["tiled", "paged", "fused"], ["stack", "argmax"])]
-    for b in builders:
-        out, _ = b.communicate(timeout=600)
-        assert b.returncode == 0, out[-2000:]
+    build = subprocess.run([sys.executable, "-c", BUILD], env=env, cwd=ROOT, check=False,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-2000:]
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                           "--ignore", "tests/native/test_portable_build.py", *SUBSET],
                          check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
