@@ -42,6 +42,10 @@ def generate(
         "--retune-kernels", help="Measure the GEMM paths again (also KVSERVE_RETUNE_KERNELS=1).")] = False,
     tensor_parallel_size: Annotated[int, typer.Option(
         "--tensor-parallel-size", help="Split the model over T worker processes.")] = 1,
+    gemm_extra_memory: Annotated[str | None, typer.Option(
+        "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
+        "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
+        "single-stream decode faster (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
 ) -> None:
     """Complete one prompt and print the text."""
     from kvserve.engine.llm import LLM
@@ -50,6 +54,10 @@ def generate(
     _setup_logging(verbose)
     if retune_kernels:
         os.environ["KVSERVE_RETUNE_KERNELS"] = "1"
+    if gemm_extra_memory is not None:
+        from kvserve.model.gemm_plan import set_extra_budget
+
+        set_extra_budget(gemm_extra_memory)
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed)
     llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,

@@ -217,21 +217,28 @@ class NativePagedBackend:
     name = "native"
 
     def __init__(self, module: ModuleType | None = None, *, decode: bool = True, prefill: bool = True,
-                 short_prefill: bool | None = None, short_chunk: int = 0) -> None:
+                 short_prefill: bool | None = None, short_chunk: int = 0,
+                 long_prefill: bool | None = None, long_chunk: int = 0) -> None:
         """Whether steps of each kind use the kernel (the others are planned and run as the torch
         backend does): ``decode`` (every sequence decodes), ``short_prefill`` (the longest chunk
-        has at most ``short_chunk`` new tokens; default: as ``prefill``), ``prefill`` (the rest)."""
+        has at most ``short_chunk`` new tokens; default: as ``prefill``), ``long_prefill`` (the
+        longest chunk has more than ``long_chunk`` new tokens, where ``long_chunk`` > 0; default: as
+        ``prefill``), ``prefill`` (the rest)."""
         self._module = module
         self.decode, self.prefill = decode, prefill
         self.short_prefill = prefill if short_prefill is None else short_prefill
         self.short_chunk = short_chunk
+        self.long_prefill = prefill if long_prefill is None else long_prefill
+        self.long_chunk = long_chunk
 
     def _uses_kernel(self, meta: AttentionMetadata) -> bool:
         if meta.all_decode:
             return self.decode
         qsl = meta.query_start_loc
         longest = max(qsl[i + 1] - qsl[i] for i in range(meta.num_seqs))
-        return self.short_prefill if longest <= self.short_chunk else self.prefill
+        if longest <= self.short_chunk:
+            return self.short_prefill
+        return self.long_prefill if 0 < self.long_chunk < longest else self.prefill
 
     @property
     def module(self) -> ModuleType | None:

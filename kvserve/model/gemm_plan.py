@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.config import parse_size
 from kvserve.model.cpu_gemm import fbgemm_fp16_available
 from kvserve.model.gemm_paths import BANDS, ROLES, candidate_paths, storage_of
 from kvserve.model.gemm_tune import RoleShape, Timer, measure
@@ -309,7 +310,7 @@ def _plan(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | None, 
     paths = candidate_paths()
     if len(paths) == 1:
         return uniform(paths[0], "default")
-    budget = int(float(os.environ.get("KVSERVE_GEMM_EXTRA_MIB", EXTRA_BYTES_DEFAULT / 2**20)) * 2**20)
+    budget = extra_budget()
     role_bytes = {r.role: r.elements * r.count * dtype.itemsize for r in roles}
     counts = {r.role: r.count for r in roles}
     path = cache_path(roles, dtype)
@@ -322,6 +323,28 @@ def _plan(roles: tuple[RoleShape, ...], dtype: torch.dtype, forced: str | None, 
     if timer is None:
         _write_cache(path, timings)
     return decide(timings, role_bytes, budget, "measured", counts)
+
+
+def extra_budget() -> int:
+    """Bytes of second weight copies a plan may keep: ``KVSERVE_GEMM_EXTRA_MIB`` (MiB, >= 0; set by
+    ``--gemm-extra-memory`` on serve and generate), default :data:`EXTRA_BYTES_DEFAULT`."""
+    text = os.environ.get("KVSERVE_GEMM_EXTRA_MIB", "").strip()
+    if not text:
+        return EXTRA_BYTES_DEFAULT
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:  # also NaN
+        raise ValueError(f"KVSERVE_GEMM_EXTRA_MIB must be a number of MiB >= 0, got {text!r}")
+    return int(mib * 2**20)
+
+
+def set_extra_budget(size: str) -> None:
+    """``--gemm-extra-memory SIZE`` ("1GiB", "600MiB", a byte count, or 0): the budget of
+    :func:`extra_budget`, for the loader here or in a runner process (through the environment)."""
+    n = 0 if size.strip() == "0" else parse_size(size)
+    os.environ["KVSERVE_GEMM_EXTRA_MIB"] = repr(n / 2**20)
 
 
 def record_plan(plan: GemmPlan) -> None:

@@ -59,15 +59,17 @@ def rank_gemm_plan(shard: ModelConfig, rank: int) -> GemmPlan:
 def describe(backend: AttentionBackend) -> tuple[object, ...]:
     """Plain data that rebuilds ``backend`` (:func:`rebuild`)."""
     if isinstance(backend, NativePagedBackend):
-        return ("native", backend.decode, backend.prefill, backend.short_prefill, backend.short_chunk)
+        return ("native", backend.decode, backend.prefill, backend.short_prefill, backend.short_chunk,
+                backend.long_prefill, backend.long_chunk)
     return (backend.name,)
 
 
 def rebuild(desc: tuple[object, ...]) -> AttentionBackend:
     if desc[0] == "native":
-        _, decode, prefill, short_prefill, short_chunk = desc
+        _, decode, prefill, short_prefill, short_chunk, long_prefill, long_chunk = desc
         return NativePagedBackend(decode=bool(decode), prefill=bool(prefill), short_prefill=bool(short_prefill),
-                                  short_chunk=int(str(short_chunk)))
+                                  short_chunk=int(str(short_chunk)), long_prefill=bool(long_prefill),
+                                  long_chunk=int(str(long_chunk)))
     return get_backend(str(desc[0]))
 
 

@@ -175,6 +175,10 @@ def serve(
     retune_kernels: Annotated[bool, typer.Option(
         "--retune-kernels", help="Measure the GEMM paths again instead of using this machine's cached choice "
         "(also KVSERVE_RETUNE_KERNELS=1).")] = False,
+    gemm_extra_memory: Annotated[str | None, typer.Option(
+        "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
+        "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
+        "single-stream decode faster (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
@@ -191,6 +195,10 @@ def serve(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     if retune_kernels:
         os.environ["KVSERVE_RETUNE_KERNELS"] = "1"  # read by the loader, here or in a runner process
+    if gemm_extra_memory is not None:
+        from kvserve.model.gemm_plan import set_extra_budget
+
+        set_extra_budget(gemm_extra_memory)
     keys = collect_keys(api_key or [], api_keys_file, os.environ.get("KVSERVE_API_KEY") or None)
     ecfg = build_engine_config(model, config, dtype=dtype, kv_cache_memory=kv_cache_memory,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,

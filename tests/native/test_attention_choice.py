@@ -31,7 +31,7 @@ def recorded() -> dict[tuple[str, str], tuple[str, str]]:
 
 def test_forcing_torch_records_it():
     assert isinstance(attention_choice.select_backend("torch_sdpa", **SHAPE), TorchSDPABackend)
-    assert set(recorded().values()) == {("torch_sdpa", "forced")} and len(recorded()) == 3
+    assert set(recorded().values()) == {("torch_sdpa", "forced")} and len(recorded()) == len(attention_choice.ROLES) == 4
 
 
 def test_unknown_backend_is_refused():
@@ -55,31 +55,33 @@ def test_auto_picks_the_faster_per_role_and_caches_it(monkeypatch, tmp_path):
 
     def timer(backend, case):
         calls.append(backend.name)
-        kind = {1: "decode", 64: "short"}.get(case[3].query_start_loc[1], "long")
+        kind = {1: "decode", 64: "short", 256: "mid", 1024: "long"}[case[3].query_start_loc[1]]
         return {("native", "decode"): 1.0, ("torch_sdpa", "decode"): 2.0, ("native", "short"): 1.0,
-                ("torch_sdpa", "short"): 1.2, ("native", "long"): 3.0, ("torch_sdpa", "long"): 1.5}[
-                    (backend.name, kind)]
+                ("torch_sdpa", "short"): 1.2, ("native", "mid"): 3.0, ("torch_sdpa", "mid"): 1.5,
+                ("native", "long"): 1.0, ("torch_sdpa", "long"): 2.0}[(backend.name, kind)]
 
     real = attention_choice.measure
     monkeypatch.setattr(attention_choice, "measure", lambda *a: real(*a, timer=timer))
     b = attention_choice.select_backend("auto", **SHAPE)
-    assert isinstance(b, NativePagedBackend) and b.decode and b.short_prefill and not b.prefill
+    assert isinstance(b, NativePagedBackend) and b.decode and b.short_prefill and not b.prefill and b.long_prefill
+    assert (b.short_chunk, b.long_chunk) == (attention_choice.SHORT_CHUNK, attention_choice.LONG_CHUNK)
     path = "tiled" if native_module().tiled_available() else "scalar"  # fp32, head_dim 8: never bf16-dot
     assert recorded() == {("attention_decode", "all"): ("native", "measured"),
                           ("attention_prefill", "q<=96"): ("native", "measured"),
-                          ("attention_prefill", "q>96"): ("torch_sdpa", "measured"),
+                          ("attention_prefill", "q<=512"): ("torch_sdpa", "measured"),
+                          ("attention_prefill", "q>512"): ("native", "measured"),
                           ("attention_native", "all"): (path, "default"),
                           ("attention_native", "int8_kv"): (path, "default")}
-    assert len(calls) == 6
+    assert len(calls) == 8
     data = json.loads((tmp_path / attention_choice.CACHE_FILE).read_text())
     key = attention_choice.cache_key(*SHAPE.values())
     assert data[key]["attention_decode/all"] == {"torch_sdpa": 2.0, "native": 1.0}
     b2 = attention_choice.select_backend("auto", **SHAPE)   # read from the cache: no timing
-    assert len(calls) == 6 and b2.decode and not b2.prefill
+    assert len(calls) == 8 and b2.decode and not b2.prefill and b2.long_prefill
     assert recorded()[("attention_decode", "all")] == ("native", "cached")
     monkeypatch.setenv("KVSERVE_ATTENTION_RETUNE", "1")
     attention_choice.select_backend("auto", **SHAPE)
-    assert len(calls) == 12
+    assert len(calls) == 16
 
 
 @pytest.mark.skipif(native_module() is None, reason="no native kernel")
@@ -98,6 +100,13 @@ def test_a_step_the_kernel_is_not_chosen_for_runs_the_torch_plan():
     short = NativePagedBackend(decode=False, prefill=False, short_prefill=True, short_chunk=2)
     assert isinstance(short.plan(pre, shape, torch.device("cpu")), NativePlan)
     assert isinstance(short.plan(dec, shape, torch.device("cpu")), StepPlan)
+    # a long band past long_chunk (pre's longest chunk: 2 tokens), the middle band up to it
+    long_off = NativePagedBackend(decode=True, prefill=True, long_prefill=False, long_chunk=1)
+    assert isinstance(long_off.plan(pre, shape, torch.device("cpu")), StepPlan)
+    assert isinstance(long_off.plan(dec, shape, torch.device("cpu")), NativePlan)
+    mid_on = NativePagedBackend(decode=True, prefill=True, long_prefill=False, long_chunk=2)
+    assert isinstance(mid_on.plan(pre, shape, torch.device("cpu")), NativePlan)
+    assert isinstance(NativePagedBackend(long_prefill=False).plan(pre, shape, torch.device("cpu")), NativePlan)
 
 
 @pytest.mark.skipif(native_module() is None, reason="no native kernel")

@@ -58,8 +58,8 @@ def test_every_rank_runs_rank_0s_kernels(models: dict[str, Path], attention: str
         {k: v for k, v in gemm0.items() if k[0] != "gemm_lm_head"}
     assert {v[0] for k, v in gemm1.items() if k[0] == "gemm_lm_head"} == {"native"}  # no logits on rank 1
     attn0 = _by_key(rank0, "attention")
-    bands = {k: v for k, v in attn0.items() if k[0] != "attention_native"}  # the 3 bands; + the kernel paths (bf16, int8 KV)
-    assert len(bands) == 3 and len(attn0) in (3, 5) and _by_key(rank1, "attention") == attn0
+    bands = {k: v for k, v in attn0.items() if k[0] != "attention_native"}  # the 4 bands; + the kernel paths (bf16, int8 KV)
+    assert len(bands) == 4 and len(attn0) in (4, 6) and _by_key(rank1, "attention") == attn0
     if attention == "native":
         assert {v[1] for v in bands.values()} <= {"forced", "fallback"}
     # rank 0's choices are this process's too: the process runner's /metrics path

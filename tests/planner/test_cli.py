@@ -165,16 +165,17 @@ def test_cpu_hardware(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     d = plan_json(cli, "--model", "smollm2-135m", "--hardware", "cpu")
     assert d["hardware"]["preset"] == "cpu" and d["hardware"]["bandwidth_bytes_s"] == 20e9
     assert {(k["role"], k["choice"]) for k in d["kernels"]} >= {("gemm_mlp", "fbgemm_fp16_x1")}
-    # 4 roles x 4 bands of GEMM + 3 attention bands, all measured; + which path the kernel itself runs
+    # 4 roles x 5 bands of GEMM + 4 attention bands, all measured; + which path the kernel itself runs
     # (float pools, int8 pools)
     # (and the native build's target where a native kernel was built in this process)
     targets = [k for k in d["kernels"] if k["role"] == "native_target"]
     assert len(targets) <= 1 and all(k["choice"].startswith("native: ") for k in targets)
     assert {k["source"] for k in d["kernels"] if k["role"] not in ("attention_native", "native_target")} == {"measured"}
-    assert len(d["kernels"]) - len(targets) == 4 * len(BANDS) + 3 + 2
+    assert len(d["kernels"]) - len(targets) == 4 * len(BANDS) + len(attention_choice.ROLES) + 2
     assert {(k["role"], k["band"], k["choice"]) for k in d["kernels"] if k["role"].startswith("attention_")} == {
         ("attention_decode", "all", "native"), ("attention_prefill", "q<=96", "native"),
-        ("attention_prefill", "q>96", "torch_sdpa"), ("attention_native", "all", "scalar"),
+        ("attention_prefill", "q<=512", "native"), ("attention_prefill", "q>512", "torch_sdpa"),
+        ("attention_native", "all", "scalar"),
         ("attention_native", "int8_kv", "scalar")}  # a stand-in module
     assert "Kernels on this CPU" in cli("--model", "smollm2-135m", "--hardware", "cpu").out
     assert d["ledger"]["kv_budget_bytes"] > 0
