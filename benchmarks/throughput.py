@@ -18,6 +18,11 @@ its own. Measured per engine:
     python benchmarks/throughput.py --engines kvserve,transformers
     python benchmarks/throughput.py --device cuda --engines kvserve,kvserve-eager,transformers
 
+``kvserve-copy`` is kvserve with a 1 GiB budget for second weight copies (``--gemm-extra-memory
+1GiB``): on a CPU where one GEMM path wins at one row and another from a few rows up (an AMX
+Xeon), the plan then keeps both, and its rows show what that memory buys side by side
+(``--engines kvserve,kvserve-copy,llama.cpp``; ratios ``kvserve/kvserve-copy``).
+
 ``--device cuda`` runs kvserve and transformers on the GPU (llama.cpp is not run there); the
 bandwidth bound is then the GPU's read bandwidth, measured the same way, and ``kvserve-eager`` is
 kvserve with its decode CUDA graphs off (``KVSERVE_CUDA_GRAPHS=0``), so the graphs' gain is a
@@ -43,7 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
-ENGINES = ("kvserve", "transformers", "llama.cpp", "kvserve-eager")
+ENGINES = ("kvserve", "transformers", "llama.cpp", "kvserve-eager", "kvserve-copy")
+COPY_MIB = "1024"  # kvserve-copy: kvserve with this GEMM extra-memory budget (--gemm-extra-memory 1GiB)
 DEFAULT_ENGINES = ("kvserve", "transformers", "llama.cpp")
 
 
@@ -334,7 +340,7 @@ def llama_cpp_batched(llm, args: argparse.Namespace, prompts: list[list[int]]) -
 
 
 WORKERS = {"kvserve": worker_kvserve, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp,
-           "kvserve-eager": worker_kvserve}
+           "kvserve-eager": worker_kvserve, "kvserve-copy": worker_kvserve}
 
 
 def run_worker(engine: str, args: argparse.Namespace) -> dict:
@@ -346,6 +352,8 @@ def run_worker(engine: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if engine == "kvserve-eager":
         env["KVSERVE_CUDA_GRAPHS"] = "0"
+    if engine == "kvserve-copy":
+        env["KVSERVE_GEMM_EXTRA_MIB"] = COPY_MIB
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -480,7 +488,7 @@ def main() -> None:
     ratios = {}
     if "kvserve" in ok:
         k = ok["kvserve"]
-        for other in ("llama.cpp", "transformers", "kvserve-eager"):
+        for other in ("llama.cpp", "transformers", "kvserve-eager", "kvserve-copy"):
             if other in ok:
                 o = ok[other]
                 for n in k["decode_tok_s"]:

@@ -45,7 +45,7 @@ def generate(
     gemm_extra_memory: Annotated[str | None, typer.Option(
         "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
         "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
-        "single-stream decode faster (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
+        "single-stream decode faster; measured there, batches were slower (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
 ) -> None:
     """Complete one prompt and print the text."""
     from kvserve.engine.llm import LLM

@@ -178,7 +178,7 @@ def serve(
     gemm_extra_memory: Annotated[str | None, typer.Option(
         "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
         "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
-        "single-stream decode faster (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
+        "single-stream decode faster; measured there, batches were slower (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""
