@@ -22,6 +22,8 @@ its own. Measured per engine:
 1GiB``): on a CPU where one GEMM path wins at one row and another from a few rows up (an AMX
 Xeon), the plan then keeps both, and its rows show what that memory buys side by side
 (``--engines kvserve,kvserve-copy,llama.cpp``; ratios ``kvserve/kvserve-copy``).
+``kvserve-noamx`` is kvserve with the tiled GEMM's AMX tiles switched off (``KVSERVE_TILED_AMX=0``:
+its AVX512-BF16 kernel, the default before session 21), for the tiles' gain in the same run.
 
 ``--device cuda`` runs kvserve and transformers on the GPU (llama.cpp is not run there); the
 bandwidth bound is then the GPU's read bandwidth, measured the same way, and ``kvserve-eager`` is
@@ -48,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
-ENGINES = ("kvserve", "transformers", "llama.cpp", "kvserve-eager", "kvserve-copy")
+ENGINES = ("kvserve", "transformers", "llama.cpp", "kvserve-eager", "kvserve-copy", "kvserve-noamx")
 COPY_MIB = "1024"  # kvserve-copy: kvserve with this GEMM extra-memory budget (--gemm-extra-memory 1GiB)
 DEFAULT_ENGINES = ("kvserve", "transformers", "llama.cpp")
 
@@ -340,7 +342,7 @@ def llama_cpp_batched(llm, args: argparse.Namespace, prompts: list[list[int]]) -
 
 
 WORKERS = {"kvserve": worker_kvserve, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp,
-           "kvserve-eager": worker_kvserve, "kvserve-copy": worker_kvserve}
+           "kvserve-eager": worker_kvserve, "kvserve-copy": worker_kvserve, "kvserve-noamx": worker_kvserve}
 
 
 def run_worker(engine: str, args: argparse.Namespace) -> dict:
@@ -354,6 +356,8 @@ def run_worker(engine: str, args: argparse.Namespace) -> dict:
         env["KVSERVE_CUDA_GRAPHS"] = "0"
     if engine == "kvserve-copy":
         env["KVSERVE_GEMM_EXTRA_MIB"] = COPY_MIB
+    if engine == "kvserve-noamx":
+        env["KVSERVE_TILED_AMX"] = "0"
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -488,7 +492,7 @@ def main() -> None:
     ratios = {}
     if "kvserve" in ok:
         k = ok["kvserve"]
-        for other in ("llama.cpp", "transformers", "kvserve-eager", "kvserve-copy"):
+        for other in ("llama.cpp", "transformers", "kvserve-eager", "kvserve-copy", "kvserve-noamx"):
             if other in ok:
                 o = ok[other]
                 for n in k["decode_tok_s"]:

@@ -13,8 +13,9 @@ matmuls run:
 ``fbgemm_fp16``    the same, sharded by :mod:`cpu_gemm`'s size rule (the untimed default)
 ``onednn_packed``  oneDNN's matmul on the bf16 weight reordered once into its blocked layout
                    (:mod:`kvserve.model.onednn_gemm`; AMX / AVX-512 BF16 CPUs only)
-``kvserve_tiled``  kvserve's own AVX2 kernel on the weight as loaded (the same tensor as ``native``;
-                   :mod:`kvserve.model.tiled_gemm`), split over torch's intra-op threads
+``kvserve_tiled``  kvserve's own kernel on the weight as loaded (the same tensor as ``native``;
+                   :mod:`kvserve.model.tiled_gemm`): AVX2, AVX512-BF16, or AMX tiles where the CPU
+                   has them; split over torch's intra-op threads
 =================  ===================================================================================
 
 Every path holds the weight once, in 2 bytes per element (an FBGEMM packed copy replaces the

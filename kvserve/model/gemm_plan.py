@@ -10,7 +10,7 @@
    ``native`` where the CPU multiplies half precision natively (AMX or AVX-512 BF16/FP16), else
    FBGEMM fp16 (fp32 models: always ``native``, packing would round their weights);
 3. a plan cached in ``<cache dir>/gemm/<key>.json``, keyed by CPU model and flags, torch version,
-   thread count, OpenMP wait policy, dtype, the role shapes and the tiled kernel's source (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
+   thread count, OpenMP wait policy, dtype, the role shapes and the tiled kernel's source and its AMX switch (source ``cached``), unless ``KVSERVE_RETUNE_KERNELS=1``
    (``--retune-kernels`` on serve/generate) asks for a new measurement;
 4. otherwise the paths are timed (:mod:`kvserve.model.gemm_tune`) and the result cached (source
    ``measured``).
@@ -251,10 +251,11 @@ def _decide_family(timings: dict[str, list[dict[str, float]]], role_bytes: dict[
 
 def _key(roles: tuple[RoleShape, ...], dtype: torch.dtype, paths: tuple[str, ...]) -> str:
     cpu = _cpu()
-    kernel = hashlib.sha256((CSRC / "tiled_gemm.cpp").read_bytes()).hexdigest()[:12]  # its timings go stale with it
+    source = b"".join((CSRC / f).read_bytes() for f in ("tiled_gemm.cpp", "amx_gemm.h", "transpose16.h"))
+    kernel = hashlib.sha256(source).hexdigest()[:12]  # its timings go stale with it
     text = json.dumps([CACHE_VERSION, cpu["model"], cpu["flags"], torch.__version__, torch.get_num_threads(),
                        str(dtype), [(r.role, r.shapes, r.count) for r in roles], paths, kernel, wait_policy(),
-                       native_march()])
+                       native_march(), os.environ.get("KVSERVE_TILED_AMX", "")])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -15,7 +15,7 @@ from kvserve.bench.machine import last_level_cache_bytes
 from kvserve.model import decode_stack, gemm_plan
 from kvserve.model.cpu_gemm import PackedFp16Linear, fbgemm_fp16_available
 from kvserve.model.gemm_apply import apply_plan, lm_head_reads_embedding
-from kvserve.model.gemm_paths import BANDS, BandDispatch, NativeLinear, NativeMLP, band_of
+from kvserve.model.gemm_paths import BANDS, ROLES, BandDispatch, NativeLinear, NativeMLP, band_of, storage_of
 from kvserve.model.gemm_plan import STORAGE_TIE, GemmPlan, decide, plan_for, uniform
 from kvserve.model.gemm_tune import MIN_DECODE_WORKING_SET, RoleShape, decode_working_set, role_shapes
 from kvserve.model.loader import load_model
@@ -490,3 +490,35 @@ def test_a_bad_gemm_extra_memory_on_the_command_line_is_one_line_before_any_load
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "cannot read memory size 'lots'" in err[0], err
     assert gemm_plan.extra_budget() == gemm_plan.EXTRA_BYTES_DEFAULT
+
+
+# The same shape on an AMX Xeon of session 21, with the tiled kernel on AMX tiles (amx_gemm.h):
+# it reads the loaded tensor at one row faster than oneDNN's packed copy, and at 16-128 rows about
+# as fast (benchmarks/gemm_plan.py). Paths in AMX_XEON's order.
+AMX_TILES = {
+    "qkv": [(178, 243, 268, 106, 141), (194, 585, 624, 107, 142), (242, 1257, 1334, 183, 189),
+            (266, 1782, 1832, 215, 222), (460, 3769, 3734, 347, 347)],
+    "o": [(160, 189, 255, 78, 121), (151, 445, 376, 77, 123), (183, 958, 1070, 124, 157),
+          (216, 1320, 1398, 154, 195), (275, 3594, 2875, 321, 276)],
+    "mlp": [(2076, 2521, 1571, 1298, 1576), (2318, 7460, 4503, 1574, 1823), (3449, 17078, 8870, 2637, 2700),
+            (3682, 21930, 11931, 2939, 3178), (11381, 68683, 40984, 12626, 11513)],
+    "lm_head": [(17225, 22378, 12009, 11046, 11395), (20894, 85451, 45712, 11368, 12505),
+                (28908, 249892, 146202, 18168, 19290), (35078, 373521, 198232, 23410, 24429),
+                (90360, 613613, 358808, 73603, 85643)]}
+
+
+def test_with_amx_tiles_every_role_keeps_the_loaded_tensor_and_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the loaded tensor's best path is within the storage tie of oneDNN's copy in every band,
+    no role is repacked: the one-row and chat-turn bands run the tiled kernel (and so the native
+    layer loop) within the default budget, with no second copy, whatever budget is given."""
+    names = ("native", "fbgemm_fp16_x1", "fbgemm_fp16_x2", "kvserve_tiled", "onednn_packed")
+    timings = {r: [dict(zip(names, map(float, b))) for b in bands] for r, bands in AMX_TILES.items()}
+    role_bytes = {r.role: r.elements * r.count * 2 for r in BIG}
+    counts = {r.role: r.count for r in BIG}
+    monkeypatch.setenv("KVSERVE_GEMM_EXTRA_MIB", "")
+    for budget in (gemm_plan.extra_budget(), 1 << 30):
+        plan = decide(timings, role_bytes, budget, "cached", counts)
+        assert plan.extra_bytes == 0
+        for role in ROLES:
+            assert {storage_of(p) for p in plan.paths[role]} == {"loaded"}
+            assert plan.paths[role][:4] == ("kvserve_tiled",) * 4

@@ -64,15 +64,67 @@ def test_matches_fp32_math_on_the_half_weights(dtype: torch.dtype, rows: int, n:
     assert TiledLinear(w, None)(x).dtype == dtype  # default: the input's dtype
 
 
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 32, 33, 70, 600])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (45, 96), (130, 2048)])
+def test_amx_shapes_match_fp32_math(rows: int, n: int, k: int) -> None:
+    """Shapes the AMX tiles take where the CPU has them (bf16, K a multiple of 32): weight rows
+    past a multiple of 32 (a zero-padded last panel), input rows past a multiple of 16 (zero rows
+    in the packed input), odd and even numbers of 16-row input blocks, and 600 rows at K = 2,048,
+    which run in three chunks of packed input. Elsewhere the same calls take the AVX512-BF16 or
+    AVX2 kernel: the same function either way."""
+    w = _w(n, k, torch.bfloat16, 6)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    ref = F.linear(x.float(), w.float(), bias)
+    y32 = TiledLinear(w, bias, torch.float32)(x)
+    assert y32.shape == (rows, n)
+    assert torch.allclose(y32, ref, rtol=1e-5, atol=1e-5 * (k ** 0.5))
+    for out in (torch.bfloat16, torch.float16):
+        assert torch.equal(TiledLinear(w, bias, out)(x), y32.to(out))
+    assert torch.allclose(TiledLinear(w, None, torch.float32)(x), ref - bias, rtol=1e-5, atol=1e-5 * (k ** 0.5))
+
+
+def test_amx_is_used_where_the_target_and_the_kernel_allow_it_and_switches_off() -> None:
+    """The tiles are compiled in only for a target with AMX-BF16; on such a CPU the kernel runs on
+    them unless ``KVSERVE_TILED_AMX=0`` (read once per process, so checked in a child), and the
+    switched-off kernel computes the same function (up to summation order)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.native import target_features
+
+    if "amx_bf16" not in target_features():
+        assert not tiled_gemm._ext().amx()  # type: ignore[union-attr]
+        return
+    code = ("import torch; from kvserve.model import tiled_gemm as t; e = t._ext(); "
+            "g = torch.Generator().manual_seed(0); w = torch.randn(40, 96, generator=g).bfloat16(); "
+            "x = torch.randn(5, 96, generator=g).bfloat16(); "
+            "import json; print(json.dumps([e.amx(), e.gemm(x, w, torch.empty(0), 0).tolist()]))")
+    outs = {}
+    for flag in ("1", "0"):
+        env = {**os.environ, "KVSERVE_TILED_AMX": flag}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        used, values = json.loads(run.stdout.strip().splitlines()[-1])
+        outs[flag] = (used, torch.tensor(values))
+    assert outs["0"][0] is False
+    if os.environ.get("KVSERVE_TILED_AMX", "1") == "1":  # this process read the same switch: the same answer
+        assert outs["1"][0] is tiled_gemm._ext().amx()  # type: ignore[union-attr]
+    assert torch.allclose(outs["1"][1], outs["0"][1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [904, 896])
 @pytest.mark.parametrize("n", [8, 13, 130, 1029])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int) -> None:
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int, k: int) -> None:
     """Every output of the register kernel (calls of up to 128 rows on the AVX512-BF16 path, up to
     16 on the AVX2 one; more rows go through sgemm on widened panels) is one dot product with its
     own accumulator and reduction, whichever weight group size (8 rows for one or two input rows
     on the AVX512-BF16 path, 4 otherwise) and pass the call takes: the same input row gives
     bit-equal outputs alone, in pairs, in fives and in the kernel's largest calls, so a decode
-    step's result does not depend on its batch (and a batch of one equals the per-layer path's)."""
-    k = 904  # not a multiple of 32: the masked tail step too
+    step's result does not depend on its batch (and a batch of one equals the per-layer path's).
+    K = 904 is not a multiple of 32 (the masked tail step); K = 896 is, so on an AMX CPU the calls
+    run on the tiles, where each output is one tile accumulation over K whatever the call's rows."""
     w = _w(n, k, torch.bfloat16)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
     span = 128 if tiled_gemm._ext().bf16_dot() else 16  # type: ignore[union-attr]

@@ -31,6 +31,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include <strings.h>  // the system headers amx_gemm.h uses, here outside the namespaces below
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define KVS_NO_MODULE
 namespace kgemm {

@@ -694,32 +694,7 @@ inline __m512 exp_diff_ps16(__m512 x, __m512 mxl, __mmask16 keep) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// r[i] (16 words each) -> r[i] = column i, i.e. out[i][j] = in[j][i].
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
+#include "transpose16.h"
 
 // The bf16 rows of keys c0..c0+nt-1 of block b, head h (row[k]; nullptr past nt) and their scales
 // (rsc[k]; 0 past nt): the pool's own rows (bf16), a shadow's (bf16, scale 1), or int8 codes and

@@ -13,6 +13,9 @@
 // multiplies it with at::mm (MKL sgemm), so a prefill runs near sgemm speed while the weights stay
 // in 2 bytes. Groups are split over at::parallel_for's threads (OpenMP).
 //
+// On a CPU with AMX-BF16 (Sapphire Rapids and later), bf16 weights with bf16 inputs and K % 32 == 0
+// run on the tiles instead, at every row count (amx_gemm.h; KVSERVE_TILED_AMX=0 switches it off).
+//
 // Numerics: products and sums in fp32 (each output one dot product over K; only the summation
 // order differs from a bf16 GEMM with fp32 accumulation), bias added in fp32, then rounded once to
 // the output dtype (round to nearest even).
@@ -23,7 +26,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#include "amx_gemm.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVS_TILED 1
@@ -294,10 +299,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   if (m == 0) return y;
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const bool tiles = bf16 && x.scalar_type() == at::kBFloat16 && k % 32 == 0 && amx::usable();
   const bool dot16 = KVS_BF16DOT && bf16 && x.scalar_type() == at::kBFloat16 && m <= kDotRowsBf16;
-  const auto xin = dot16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const auto xin = tiles || dot16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto go = [&](auto* yp) {
     using O = std::remove_pointer_t<decltype(yp)>;
+    if (tiles) return amx::gemm<O>(w, reinterpret_cast<const uint16_t*>(xin.data_ptr()), yp, b, m, n, k);
     if (dot16) return run_bf16<O>(w, reinterpret_cast<const uint16_t*>(xin.data_ptr()), yp, b, m, n, k);
     const auto& x32 = xin;
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {  // one 2048-row call was 1.2-1.45x four 512-row ones
@@ -319,6 +326,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX2/FMA/F16C kernel");
   m.def("bf16_dot", []() { return KVS_BF16DOT == 1; }, "whether bf16 x bf16 few-row calls use AVX512-BF16");
+  m.def("amx", []() { return amx::usable(); }, "whether bf16 x bf16 calls (K % 32 == 0) run on AMX tiles");
   m.def("gemm", &gemm, "y = x @ W.T + bias, W [N, K] as loaded");
 }
 #endif
