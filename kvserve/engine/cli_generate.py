@@ -44,8 +44,9 @@ def generate(
         "--tensor-parallel-size", help="Split the model over T worker processes.")] = 1,
     gemm_extra_memory: Annotated[str | None, typer.Option(
         "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
-        "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
-        "single-stream decode faster; measured there, batches were slower (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
+        "a CPU where the fastest path for one row and the one for many rows need different layouts, a copy "
+        "for each can make decode faster (AMX CPUs no longer need one: the tiled kernel runs on AMX tiles "
+        "over the loaded weight) (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
 ) -> None:
     """Complete one prompt and print the text."""
     from kvserve.engine.llm import LLM

@@ -17,10 +17,10 @@ FBGEMM's shards need); more rows widen L2-sized panels to fp32 and multiply them
 On a CPU with AMX-BF16 (``amx_gemm.h``, session 21), bf16 x bf16 calls with the input size a
 multiple of 32 run on AMX tiles at every row count, still on the loaded tensor (the product is
 taken transposed, so the weight rows are the tiles' A operand as they lie): on the 2-core AMX
-Xeon the 0.5B shape's matrices at one row in 0.62-0.80x the time of oneDNN's reordered copy and
-0.85x the AVX512-BF16 kernel's, 16-128 rows within 0.65-1.0x oneDNN's, so the GEMM plan keeps one
-storage per role with no copy and decode ran 1.28x faster (``benchmarks/throughput.py``,
-``kvserve-noamx``). ``KVSERVE_TILED_AMX=0`` switches the tiles off (read once per process).
+Xeon the 0.5B shape's matrices at one row in 0.64-0.97x the time of oneDNN's reordered copy and
+0.73-0.88x the AVX512-BF16 kernel's, 16-128 rows in 0.63-0.98x oneDNN's (``benchmarks/gemm_plan.py``),
+so the GEMM plan keeps one storage per role with no copy and decode ran 1.28x faster
+(``benchmarks/throughput.py``, engine ``kvserve-noamx``). ``KVSERVE_TILED_AMX=0`` switches the tiles off (read once per process).
 
 :class:`TiledMLP` (two linears around :func:`fused.silu_mul`) names its linear in ``linear``, so
 :class:`~kvserve.model.onednn_gemm.OneDNNMLP` reuses it on its own.

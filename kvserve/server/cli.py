@@ -177,8 +177,9 @@ def serve(
         "(also KVSERVE_RETUNE_KERNELS=1).")] = False,
     gemm_extra_memory: Annotated[str | None, typer.Option(
         "--gemm-extra-memory", help="Memory for second copies of weights the GEMM plan may keep (e.g. 1GiB; default 64MiB): on "
-        "a CPU where one path is fastest for one row and another for many (AMX), a copy for each makes "
-        "single-stream decode faster; measured there, batches were slower (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
+        "a CPU where the fastest path for one row and the one for many rows need different layouts, a copy "
+        "for each can make decode faster (AMX CPUs no longer need one: the tiled kernel runs on AMX tiles "
+        "over the loaded weight) (also KVSERVE_GEMM_EXTRA_MIB).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve the OpenAI API (completions, chat, sessions), /metrics and a live /dashboard."""

@@ -16,13 +16,17 @@
 //
 // Why not oneDNN's AMX GEMM: it needs the weight reordered into its own layout, a second copy of
 // every matrix where the one-row band reads the loaded tensor (session 20: +645 MiB on the 0.5B
-// shape). Measured on a 2-core AMX Xeon (docs/kernels.md, session 21), this path reads the
-// 0.5B shape's matrices at one row in 0.62-0.80x oneDNN's time on its reordered copy and 0.85x
-// the AVX512-BF16 dot kernel's, and runs 16-128 rows in 0.65-1.0x oneDNN's.
+// shape). Measured on a 2-core AMX Xeon (session 21, the GEMM plan's own timings of the 0.5B
+// shape, python benchmarks/gemm_plan.py, docs/kernels.md): one row in 0.64-0.97x the time of
+// oneDNN's reordered copy and 0.73-0.88x the AVX512-BF16 dot kernel's (the same loaded tensor);
+// 16-128 rows in 0.63-0.98x oneDNN's, where the dot kernel takes 2-6x oneDNN's time.
 //
 // Numerics: TDPBF16PS multiplies bf16 pairs and accumulates in fp32 (denormal inputs read as
 // zero, as oneDNN's AMX path does); each output is one fp32 sum over K in a fixed order that does
 // not depend on M or on the row's place in the batch (batch-invariant).
+// Tile state: each thread of a call loads its own configuration and releases it at the end, so
+// oneDNN's and torch's AMX kernels, which configure the tiles at the start of their own calls,
+// find them as they would without this path.
 // Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): usable()
 // asks once; a refused request leaves the AVX512-BF16 kernel in use.
 #pragma once
