@@ -33,12 +33,14 @@ torch's bf16 matmul. Invariant: a module computes ``x @ W.T + b`` for every row 
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from kvserve.native import extensions, fused
+from kvserve.native.choices import KernelChoice, record
 
 _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -46,7 +48,18 @@ _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @functools.cache
 def _ext() -> ModuleType | None:
     mod = extensions.load(extensions.TILED_GEMM)
-    return mod if mod is not None and mod.available() else None
+    mod = mod if mod is not None and mod.available() else None
+    if mod is not None:
+        forced = os.environ.get("KVSERVE_TILED_AMX", "").strip() != ""
+        record(KernelChoice("tiled_gemm", "bf16", bf16_kernel(mod), {}, "forced" if forced else "default"))
+    return mod
+
+
+def bf16_kernel(mod: ModuleType) -> str:
+    """What the built kernel runs bf16 x bf16 calls on: ``amx_tiles`` (K a multiple of 32; other
+    K as the next), ``avx512_bf16`` (up to 128 rows; more through sgemm) or ``avx2``. Recorded
+    as the ``tiled_gemm`` kernel choice (``/metrics``, ``kvserve plan --hardware cpu``)."""
+    return "amx_tiles" if mod.amx() else "avx512_bf16" if mod.bf16_dot() else "avx2"
 
 
 def tiled_gemm_available() -> bool:

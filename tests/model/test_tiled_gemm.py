@@ -114,6 +114,18 @@ def test_amx_is_used_where_the_target_and_the_kernel_allow_it_and_switches_off()
     assert torch.allclose(outs["1"][1], outs["0"][1], rtol=1e-5, atol=1e-4)
 
 
+def test_the_bf16_kernel_is_a_recorded_choice() -> None:
+    """What bf16 calls run on (AMX tiles, AVX512-BF16 or AVX2) is among the kernel choices that
+    ``/metrics`` and ``kvserve plan --hardware cpu`` show, and agrees with the build's own flags."""
+    from kvserve.native import choices
+
+    tiled_gemm._ext.cache_clear()
+    ext = tiled_gemm._ext()
+    assert ext is not None
+    got = {(c.role, c.band): c for c in choices.choices()}[("tiled_gemm", "bf16")]
+    assert got.choice == ("amx_tiles" if ext.amx() else "avx512_bf16" if ext.bf16_dot() else "avx2")
+
+
 @pytest.mark.parametrize("k", [904, 896])
 @pytest.mark.parametrize("n", [8, 13, 130, 1029])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int, k: int) -> None:
