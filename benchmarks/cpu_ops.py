@@ -73,7 +73,7 @@ def mlp_rows_table(repeats: int, rows: int = 2048) -> dict[str, float]:
 
 
 def silu_table(repeats: int) -> dict[str, dict[int, float]]:
-    """The kernel itself (``fused.silu_mul`` sends more than ``SILU_NATIVE_ROWS`` rows to torch)."""
+    """The kernel itself (``fused.silu_mul`` sends more than ``fused.silu_native_rows`` rows to torch)."""
     ext = fused._ext()
     out: dict[str, dict[int, float]] = {"kernel": {}, "torch": {}}
     for rows in (1, 4, 512):

@@ -139,7 +139,7 @@ def run_layers(model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     pools, write, sources, (blocks, offsets, int8_views) = layout
     return mod.run_layers(h.contiguous(), cos, sin, spec.weights, pools, meta.slot_mapping, plan.q_start, plan.q_len,
                           plan.seq_len, plan.window, plan.tables, spec.scale, spec.heads, spec.kv_heads, spec.inter,
-                          spec.eps, attention_native.Q_TILE, attention_native.IMPL, fused.SILU_NATIVE_ROWS,
+                          spec.eps, attention_native.Q_TILE, attention_native.IMPL, fused.silu_native_rows(h.dtype),
                           attention_native.FLOAT_KIND[h.dtype], write, sources, int8_views, blocks,
                           offsets)  # type: ignore[no-any-return]
 

@@ -79,13 +79,38 @@ def test_silu_mul(ext, gu_dtype: torch.dtype, round_dtype: torch.dtype | None, r
 
 
 def test_silu_mul_leaves_many_rows_to_torch(ext, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The 8-lane loop runs a decode's few rows and torch's ops the rest; where the build has the
+    16-lane loop, bf16 calls of every row count run the kernel (fp32 with bf16 rounding, the FBGEMM
+    output's case, still goes to torch past the few rows)."""
     calls: list[int] = []
     real = ext.silu_mul
     monkeypatch.setattr(ext, "silu_mul", lambda *a: (calls.append(1), real(*a))[1])
-    few, many = rand(fused.SILU_NATIVE_ROWS, 64, dtype=torch.bfloat16), rand(fused.SILU_NATIVE_ROWS + 1, 64, dtype=torch.bfloat16)
-    fused.silu_mul(few, 32)
+    few = rand(fused.SILU_NATIVE_ROWS, 64, dtype=torch.float32)
+    many = rand(fused.SILU_NATIVE_ROWS + 1, 64, dtype=torch.float32)
+    fused.silu_mul(few, 32, torch.bfloat16)
     assert calls == [1]
-    assert torch.equal(fused.silu_mul(many, 32), fused.silu_mul_reference(many, 32)) and calls == [1]
+    assert torch.equal(fused.silu_mul(many, 32, torch.bfloat16), fused.silu_mul_reference(many, 32, torch.bfloat16))
+    assert calls == [1]
+    wide = rand(300, 64, dtype=torch.bfloat16)
+    got = fused.silu_mul(wide, 32)
+    assert fused.silu_native_rows(torch.bfloat16) == (fused.SILU_WIDE_ROWS if ext.silu16() else fused.SILU_NATIVE_ROWS)
+    assert calls == ([1, 1] if ext.silu16() else [1])
+    assert ulps(got, fused.silu_mul_reference(wide, 32)) <= TOL_ULPS[torch.bfloat16]
+
+
+def test_the_16_lane_silu_mul_is_bit_equal_to_the_8_lane_loop(ext) -> None:  # type: ignore[no-untyped-def]
+    """A width of 24 runs both loops on one row (16 lanes for columns 0-15, then 8 for 16-23). The
+    same values rotated by 8 columns in a second call move old columns 8-15 to the 8-lane loop and
+    old 16-23 to the 16-lane one: every value comes out bit-equal whichever loop took it, because
+    both run the same operations in the same order."""
+    gu = 3 * rand(4, 48, dtype=torch.bfloat16)
+    wide = fused.silu_mul(gu, 24) if ext.silu16() else None
+    if wide is None:
+        pytest.skip("no 16-lane loop in this build")
+    shifted = torch.cat([gu[:, 16:24], gu[:, :16], gu[:, 24 + 16:48], gu[:, 24:24 + 16]], dim=1)  # columns 0-15 -> 8-23
+    out = fused.silu_mul(shifted.contiguous(), 24)
+    assert torch.equal(out[:, 8:24], wide[:, :16])  # old 8-15: 8 lanes now, 16 before
+    assert torch.equal(out[:, :8], wide[:, 16:24])  # old 16-23: 16 lanes now, 8 before
 
 
 def test_switched_off_every_op_is_its_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@
 //   o = paged_attention(q, plan, pool)          paged_attention.cpp
 //   a = gemm(o, W_o, b_o)
 //   x, h = add_rms_norm(a, h, post_norm)
-//   g = gemm(x, W_gate_up); s = silu_mul(g)     (torch's silu * up past SILU_NATIVE_ROWS rows)
+//   g = gemm(x, W_gate_up); s = silu_mul(g)     (torch's silu * up past fused.silu_native_rows)
 //   h = h + gemm(s, W_down)
 //
 // so the result is bit-equal to the per-layer path (tests/model/test_decode_stack.py).
@@ -53,7 +53,7 @@ constexpr int64_t kPerLayer = 8;  // in_norm, qkv, qkv bias, o, o bias, post_nor
 // h [T, hidden] (the embeddings), cos/sin [T, d]; weights: kPerLayer per layer (biases fp32 or
 // empty); pools: one float pool layer tensor [2, blocks, block_size, kv_heads, d] per layer;
 // slots [T]; the attention plan as paged_attention() takes it (k/v params from the pool);
-// silu_rows: up to how many rows the fused SiLU·mul runs (fused.SILU_NATIVE_ROWS).
+// silu_rows: up to how many rows the fused SiLU·mul runs (fused.silu_native_rows).
 // A codec pool's layer (codec_write not None): rope as rotary() on q and k, then
 // codec_write(layer, k, v) (the pool's own write, in Python), then attention over sources[layer]:
 // (k_base, k_params, v_base, v_params, shadow, has_shadow, shadow_slot, shadow_rows) as

@@ -173,6 +173,35 @@ inline __m256 exp8(__m256 x0) {
 }
 #endif
 
+#if defined(KVS_FUSED_AVX2) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVS_FUSED_SILU16 1
+// exp8's polynomial and clamps on 16 lanes (the same operations in the same order: the same bits).
+inline __m512 exp16(__m512 x0) {
+  const __mmask16 big = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
+  __m512 x = _mm512_min_ps(_mm512_max_ps(x0, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mask_blend_ps(big, _mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(INFINITY));
+}
+inline __m512 load16_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i bf16_16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
+inline __m512 rnd16_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
+}
+#endif
+
 template <typename In, typename R, typename Out>
 void silu_mul_rows(const In* gu, Out* out, int64_t rows, int64_t width, int64_t stride) {
   // A row is thousands of values: one row per task keeps both threads busy from two rows up.
@@ -182,6 +211,19 @@ void silu_mul_rows(const In* gu, Out* out, int64_t rows, int64_t width, int64_t 
       const In* u = g + width;
       Out* o = out + r * width;
       int64_t j = 0;
+#ifdef KVS_FUSED_SILU16
+      // bf16 throughout (the models' case): 16 lanes a step, bit-equal to the 8-lane loop below
+      // (1.43x torch's time at 512 rows x 4,864 on the AMX Xeon with 8 lanes; benchmarks/cpu_ops.py).
+      if constexpr (std::is_same_v<In, c10::BFloat16> && std::is_same_v<R, c10::BFloat16> &&
+                    std::is_same_v<Out, c10::BFloat16>) {
+        const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+        for (; j + 16 <= width; j += 16) {
+          const __m512 gv = load16_bf16(g + j);
+          const __m512 sv = rnd16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one16, exp16(_mm512_sub_ps(zero16, gv)))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), bf16_16(_mm512_mul_ps(sv, load16_bf16(u + j))));
+        }
+      }
+#endif
 #ifdef KVS_FUSED_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; j + 8 <= width; j += 8) {
@@ -428,6 +470,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(weight * rms_norm(x + residual), x + residual)");
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, rounded as the torch ops round");
+#ifdef KVS_FUSED_SILU16
+  m.def("silu16", []() { return true; }, "whether bf16 silu_mul runs 16 lanes a step (AVX-512 + AVX512-BF16)");
+#else
+  m.def("silu16", []() { return false; }, "whether bf16 silu_mul runs 16 lanes a step (AVX-512 + AVX512-BF16)");
+#endif
   m.def("int8_write", &int8_write, "int8 KV encode (Int8Codec) and scatter into its field views");
   m.def("rope_int8_write", &rope_int8_write, "rotary on q and k, k and v encoded into the int8 pool at their slots");
 }
