@@ -76,7 +76,7 @@ def silu_table(repeats: int) -> dict[str, dict[int, float]]:
     """The kernel itself (``fused.silu_mul`` sends more than ``fused.silu_native_rows`` rows to torch)."""
     ext = fused._ext()
     out: dict[str, dict[int, float]] = {"kernel": {}, "torch": {}}
-    for rows in (1, 4, 512):
+    for rows in (1, 4, 16, 64, 128, 512):
         gu = torch.randn(rows, 2 * 4864).bfloat16()
         if ext is not None:
             out["kernel"][rows] = median_us(lambda gu=gu: ext.silu_mul(gu, 4864, 1), repeats)  # type: ignore[misc]

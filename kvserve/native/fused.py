@@ -127,8 +127,9 @@ ops (``benchmarks/cpu_ops.py`` on an AMX Xeon, width 4,864, bf16: 6-7 against 12
 19-23 either way at 4, 1.4-1.6 against 1.0-1.1 ms at 512)."""
 SILU_WIDE_ROWS = 1 << 30
 """The same for bf16 on a build with the 16-lane loop (AVX-512 + AVX512-BF16): every row count.
-Session 21, AMX Xeon, width 4,864, bf16 in and out: 0.75-0.79x torch's time at 16, 64, 128 and
-512 rows (52 against 66 µs at 16, 1,066 against 1,355 at 512), where the 8-lane loop took 1.05-1.43x."""
+Session 21, AMX Xeon, width 4,864, bf16 in and out (``benchmarks/cpu_ops.py``): 0.59-0.70x torch's
+time at 16-512 rows (885 against 1,316 µs at 512); whole prompts 1.39x faster at 512 tokens
+(``benchmarks/silu_ab.py``)."""
 
 
 def silu_native_rows(dtype: torch.dtype, round_dtype: torch.dtype | None = None) -> int:
