@@ -136,9 +136,18 @@ def silu_native_rows(dtype: torch.dtype, round_dtype: torch.dtype | None = None)
     """Up to how many rows :func:`silu_mul` runs the kernel on ``gu`` of ``dtype`` rounded to
     ``round_dtype`` (default ``dtype``): :data:`SILU_WIDE_ROWS` where the 16-lane loop takes the
     call (bf16 throughout), else :data:`SILU_NATIVE_ROWS`."""
-    ext = _ext()
-    wide = ext is not None and dtype == torch.bfloat16 and (round_dtype or dtype) == torch.bfloat16 and ext.silu16()
+    return _native_rows(_ext(), dtype, round_dtype or dtype)
+
+
+def _native_rows(ext: ModuleType | None, dtype: torch.dtype, round_dtype: torch.dtype) -> int:
+    wide = ext is not None and dtype == round_dtype == torch.bfloat16 and _silu16(ext)
     return SILU_WIDE_ROWS if wide else SILU_NATIVE_ROWS
+
+
+@functools.cache
+def _silu16(ext: ModuleType) -> bool:
+    """Whether the build has the 16-lane loop (asked once per module, not per call)."""
+    return bool(ext.silu16())
 
 
 def silu_mul(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -149,7 +158,7 @@ def silu_mul(gu: torch.Tensor, width: int, round_dtype: torch.dtype | None = Non
     r = round_dtype or gu.dtype
     ext = _native(gu)
     if (ext is None or gu.dim() != 2 or gu.stride(-1) != 1 or r not in _ROUND_CODE
-            or gu.shape[0] > silu_native_rows(gu.dtype, r) or (gu.dtype != r and gu.dtype != torch.float32)):
+            or gu.shape[0] > _native_rows(ext, gu.dtype, r) or (gu.dtype != r and gu.dtype != torch.float32)):
         return silu_mul_reference(gu, width, round_dtype)
     return ext.silu_mul(gu, width, _ROUND_CODE[r])  # type: ignore[no-any-return]
 

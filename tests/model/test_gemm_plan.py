@@ -436,6 +436,16 @@ AMX_XEON = {
                 (32053, 269306, 139977, 113776, 20788), (38583, 389573, 212956, 177049, 27262),
                 (91615, 623204, 341121, 424553, 91513)]}
 
+RECORDED_PATHS = ("native", "fbgemm_fp16_x1", "fbgemm_fp16_x2", "kvserve_tiled", "onednn_packed")
+
+
+def _recorded(table: dict[str, list[tuple[int, ...]]]) -> tuple[dict[str, list[dict[str, float]]], dict[str, int],
+                                                                  dict[str, int]]:
+    """A recorded table as :func:`decide` takes it: timings per role and band, the 0.5B shape's
+    bytes and matrix counts per role."""
+    timings = {r: [dict(zip(RECORDED_PATHS, map(float, b))) for b in bands] for r, bands in table.items()}
+    return timings, {r.role: r.elements * r.count * 2 for r in BIG}, {r.role: r.count for r in BIG}
+
 
 def test_on_an_amx_xeon_the_budget_decides_whether_one_row_runs_on_the_tiled_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -443,10 +453,7 @@ def test_on_an_amx_xeon_the_budget_decides_whether_one_row_runs_on_the_tiled_ker
     1.47x): within the default budget one-row steps stay on it and off the native layer loop; with
     room for the loaded tensor beside it (``--gemm-extra-memory``) every layer role's one-row band
     goes to the tiled kernel and the loop, and the rest stays on oneDNN."""
-    names = ("native", "fbgemm_fp16_x1", "fbgemm_fp16_x2", "kvserve_tiled", "onednn_packed")
-    timings = {r: [dict(zip(names, map(float, b))) for b in bands] for r, bands in AMX_XEON.items()}
-    role_bytes = {r.role: r.elements * r.count * 2 for r in BIG}
-    counts = {r.role: r.count for r in BIG}
+    timings, role_bytes, counts = _recorded(AMX_XEON)
     monkeypatch.setenv("KVSERVE_GEMM_EXTRA_MIB", "")  # unset: the default; restored after the test
     default = decide(timings, role_bytes, gemm_plan.extra_budget(), "cached", counts)
     assert default.paths["mlp"] == default.paths["qkv"] == ("onednn_packed",) * 5
@@ -511,10 +518,7 @@ def test_with_amx_tiles_every_role_keeps_the_loaded_tensor_and_no_copy(monkeypat
     """When the loaded tensor's best path is within the storage tie of oneDNN's copy in every band,
     no role is repacked: the one-row and chat-turn bands run the tiled kernel (and so the native
     layer loop) within the default budget, with no second copy, whatever budget is given."""
-    names = ("native", "fbgemm_fp16_x1", "fbgemm_fp16_x2", "kvserve_tiled", "onednn_packed")
-    timings = {r: [dict(zip(names, map(float, b))) for b in bands] for r, bands in AMX_TILES.items()}
-    role_bytes = {r.role: r.elements * r.count * 2 for r in BIG}
-    counts = {r.role: r.count for r in BIG}
+    timings, role_bytes, counts = _recorded(AMX_TILES)
     monkeypatch.setenv("KVSERVE_GEMM_EXTRA_MIB", "")
     for budget in (gemm_plan.extra_budget(), 1 << 30):
         plan = decide(timings, role_bytes, budget, "cached", counts)
