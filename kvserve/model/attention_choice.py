@@ -9,7 +9,7 @@ and ``q>512`` (a long prompt's first chunk, timed at 1,024 tokens: compute-bound
 causal flash kernel on AMX tiles ran a 2,048-token prompt's 24 layers in 1.96 s against the
 kernel's 3.43 s on a 2-core AMX Xeon (session 20), while the ``q<=512`` shape had the kernel ahead). The result is cached as JSON in
 :func:`kvserve.native.cache_dir` (``attention_backend.json``), keyed by CPU model and flags, torch
-version, OpenMP's wait policy, the kernel's and the torch path's source hash and shape, so a later start reads it instead of timing
+version, OpenMP's wait policy, the kernel's (with its headers) and the torch path's source hash and shape, so a later start reads it instead of timing
 (``KVSERVE_ATTENTION_RETUNE=1`` measures again). Every choice is recorded in
 :mod:`kvserve.native.choices` (``source``: measured, cached, forced or fallback), and where the
 kernel is available, which of its paths the model's dtype and head_dim run on this CPU (role
@@ -66,7 +66,8 @@ def cache_key(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
 
     cpu = cpu_info()
     # Both sides' code: the kernel's source and the torch path's (a change to either retimes).
-    code = (native.CSRC / extensions.PAGED.sources[0]).read_bytes() + Path(attention.__file__).read_bytes()
+    code = b"".join((native.CSRC / f).read_bytes() for f in (*extensions.PAGED.sources, *extensions.PAGED.includes))
+    code += Path(attention.__file__).read_bytes()
     src = hashlib.sha256(code).hexdigest()[:12]
     return (f"{cpu['model']}|{','.join(cpu['flags'])}|torch {torch.__version__}|kernel {src}|"
             f"omp {native.wait_policy()}|march {native.march()}|"

@@ -47,7 +47,9 @@ Q_TILE = 8
 # the bf16, int8 or fp8 pool, head_dim a multiple of 32; vdpbf16ps for the scores and the V sums),
 # else the tiled one (AVX2 + FMA, head_dim a multiple of 8; register-blocked scores and V sums
 # over 16-key tiles), else the scalar one; 1 always the scalar one; 2 the tiled one (never a dot
-# path); 3 as 0 but never int8-dot. Tests compare each against the reference.
+# path); 3 as 0 but never int8-dot; 4 as 3 with the bf16-dot path's products on vdpbf16ps even
+# where AMX tiles are usable (where they are, IMPL 0 and 3 take its scores and V sums on the
+# tiles: amx_attention.h). Tests compare each against the reference.
 IMPL = 0
 
 
@@ -63,18 +65,19 @@ def unavailable_reason() -> str | None:
 def kernel_path(dtype: torch.dtype, head_dim: int, codec: str = "float") -> str:
     """Which of the kernel's paths a model of this dtype and head_dim runs on a pool of ``codec``
     (``"float"``: the bf16/fp16/fp32 pools and fp8; ``"int8"``; int4 pools: the tiled path where it
-    exists): ``int8_dot`` (int8 pools without shadows), ``bf16_dot``, ``tiled`` or ``scalar``
-    (``IMPL`` and the build's instruction sets decide, as in ``paged_attention.cpp``)."""
+    exists): ``int8_dot`` (int8 pools without shadows), ``bf16_dot_amx`` (its products on AMX
+    tiles), ``bf16_dot``, ``tiled`` or ``scalar`` (``IMPL``, the build's instruction sets and the
+    OS's AMX permission decide, as in ``paged_attention.cpp``)."""
     mod = native_module()
 
     def has(name: str) -> bool:
         return bool(getattr(mod, name, lambda: False)())
 
-    dot = IMPL in (0, 3) and dtype == torch.bfloat16 and head_dim % 32 == 0
+    dot = IMPL in (0, 3, 4) and dtype == torch.bfloat16 and head_dim % 32 == 0
     if dot and codec == "int8" and IMPL == 0 and head_dim <= 128 and has("int8dot_available"):
         return "int8_dot"
     if dot and has("bf16dot_available"):
-        return "bf16_dot"
+        return "bf16_dot_amx" if IMPL != 4 and has("amx_available") else "bf16_dot"
     return "tiled" if IMPL != 1 and head_dim % 8 == 0 and has("tiled_available") else "scalar"
 
 

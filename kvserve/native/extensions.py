@@ -36,12 +36,13 @@ class Extension:
     includes: tuple[str, ...] = ()
 
 
-TILED_GEMM = Extension("kvserve_tiled_gemm", ("tiled_gemm.cpp",), ("amx_gemm.h", "transpose16.h"))
+TILED_GEMM = Extension("kvserve_tiled_gemm", ("tiled_gemm.cpp",), ("amx_gemm.h", "amx_state.h", "transpose16.h"))
 FUSED = Extension("kvserve_fused", ("fused_ops.cpp",))
-PAGED = Extension("kvserve_paged", ("paged_attention.cpp",), ("paged_int8.h", "transpose16.h"))
+PAGED = Extension("kvserve_paged", ("paged_attention.cpp",),
+                  ("paged_int8.h", "transpose16.h", "amx_attention.h", "amx_state.h"))
 STACK = Extension("kvserve_stack", ("decode_stack.cpp",),
-                  ("tiled_gemm.cpp", "amx_gemm.h", "transpose16.h", "fused_ops.cpp", "paged_attention.cpp",
-                   "paged_int8.h"))
+                  ("tiled_gemm.cpp", "amx_gemm.h", "amx_state.h", "transpose16.h", "fused_ops.cpp",
+                   "paged_attention.cpp", "paged_int8.h", "amx_attention.h"))
 ARGMAX = Extension("kvserve_argmax", ("argmax.cpp",))
 ALL = (STACK, PAGED, FUSED, TILED_GEMM, ARGMAX)
 """Longest build first, so that the last one to start is a short one."""

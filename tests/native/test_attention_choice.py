@@ -111,24 +111,27 @@ def test_a_step_the_kernel_is_not_chosen_for_runs_the_torch_plan():
 
 @pytest.mark.skipif(native_module() is None, reason="no native kernel")
 def test_the_kernel_path_follows_the_cpu_dtype_and_head_dim(monkeypatch):
-    """bf16 at a head_dim that is a multiple of 32 runs bf16-dot exactly where the build has it;
+    """bf16 at a head_dim that is a multiple of 32 runs bf16-dot exactly where the build has it
+    (on AMX tiles where they are usable, unless IMPL 4);
     fp32, fp16 and head_dim 24 the tiled path; IMPL 1 the scalar one. An int8 pool runs int8-dot
     where the build has it (bf16, head_dim a multiple of 32 up to 128, IMPL 0 only)."""
     from kvserve.model import attention_native
 
     mod = native_module()
     tiled = "tiled" if mod.tiled_available() else "scalar"
-    assert attention_native.kernel_path(torch.bfloat16, 64) == ("bf16_dot" if mod.bf16dot_available() else tiled)
+    dot = ("bf16_dot_amx" if mod.amx_available() else "bf16_dot") if mod.bf16dot_available() else tiled
+    assert attention_native.kernel_path(torch.bfloat16, 64) == dot
     assert attention_native.kernel_path(torch.float32, 64) == tiled
     assert attention_native.kernel_path(torch.float16, 128) == tiled
     assert attention_native.kernel_path(torch.bfloat16, 24) == tiled
-    dot = "bf16_dot" if mod.bf16dot_available() else tiled
     assert attention_native.kernel_path(torch.bfloat16, 64, "int8") == (
         "int8_dot" if mod.int8dot_available() else dot)
     assert attention_native.kernel_path(torch.bfloat16, 160, "int8") == dot
     assert attention_native.kernel_path(torch.float32, 64, "int8") == tiled
     monkeypatch.setattr(attention_native, "IMPL", 3)
     assert attention_native.kernel_path(torch.bfloat16, 64, "int8") == dot
+    monkeypatch.setattr(attention_native, "IMPL", 4)
+    assert attention_native.kernel_path(torch.bfloat16, 64) == ("bf16_dot" if mod.bf16dot_available() else tiled)
     monkeypatch.setattr(attention_native, "IMPL", 1)
     assert attention_native.kernel_path(torch.bfloat16, 64) == "scalar"
     monkeypatch.setattr(attention_native, "IMPL", 2)

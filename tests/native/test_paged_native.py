@@ -167,6 +167,59 @@ def test_bf16_dot_path_matches_reference_and_tiled_path(d, heads, kvh, window, m
     torch.testing.assert_close(out.float(), torch_out.float(), atol=2e-2, rtol=2e-2)
 
 
+needs_amx = pytest.mark.skipif(native_module() is None or not native_module().amx_available(),
+                               reason="the bf16-dot path has no AMX tiles here (no AMX-BF16, or the OS refused them)")
+
+
+@needs_amx
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("heads,kvh", [(8, 2), (14, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize("window", [None, 23])
+def test_amx_tiles_match_the_vdpbf16ps_products(d, heads, kvh, window, monkeypatch):
+    """The bf16-dot path's scores and V sums on AMX tiles (IMPL 0 where usable) against the same
+    path on vdpbf16ps (IMPL 4) and the fp32 reference: the same bf16 products and probabilities,
+    summed in fp32 in another order, so at most a bf16 rounding step apart. Rows per task 8 x g (one partial 16-row block or
+    several), flushes of 1-8 key tiles (odd counts: a zeroed half chunk), decodes, chunks of up to
+    40 tokens over up to 300 cached ones, a window starting inside a tile, shared prefix blocks."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", 16)
+    specs = [(70, 1), (3, 1), (45, 9), (0, 20), (81, 1), (150, 33), (300, 40), (17, 16)]
+    outs, calls = {}, {}
+    for impl in (0, 4):
+        monkeypatch.setattr(attention_native, "IMPL", impl)
+        before = native_module().amx_calls()
+        outs[impl] = run_plain(specs, heads, kvh, window, torch.bfloat16, share=True, d=d)
+        calls[impl] = native_module().amx_calls() - before
+    assert calls == {0: 1, 4: 0}  # the tiles ran for IMPL 0 only
+    out, _, refs, qsl = outs[0]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, outs[4][0], atol=4e-3, rtol=8e-3)  # a bf16 rounding step apart at most
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=2e-2, rtol=2e-2, msg=f"sequence {i}")
+
+
+@needs_amx
+@pytest.mark.parametrize("pool", ["int8", "fp8"])
+@pytest.mark.parametrize("min_tokens", [0, 12])
+def test_amx_tiles_on_int8_and_fp8_pools(pool, min_tokens, monkeypatch):
+    """The int8 / fp8 pools (codes widened to bf16, per-token scales on scores and probabilities)
+    and their shadows through the AMX products (IMPL 3: never the int8-dot path) against the
+    vdpbf16ps ones (IMPL 4; a rounding step apart) and the reference on what the codec stored."""
+    monkeypatch.setattr(sys.modules[__name__], "BS", 16)
+    specs = [(3, 1), (20, 1), (5, 4), (40, 17), (70, 1), (130, 35)]
+    outs, calls = {}, {}
+    for impl in (3, 4):
+        monkeypatch.setattr(attention_native, "IMPL", impl)
+        before = native_module().amx_calls()
+        outs[impl] = drive(storage(pool, torch.bfloat16, 2, window_blocks=48, min_tokens=min_tokens, d=64),
+                           specs, 14, None)
+        calls[impl] = native_module().amx_calls() - before
+    assert calls[3] > 0 and calls[4] == 0
+    out, _, refs, qsl, _ = outs[3]
+    torch.testing.assert_close(out, outs[4][0], atol=4e-3, rtol=8e-3)
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=3e-2, rtol=3e-2, msg=f"sequence {i}")
+
+
 @needs_bf16dot
 def test_the_bf16_dot_path_leaves_other_cases_to_the_tiled_path(monkeypatch):
     """fp32 and fp16 queries, and a head_dim that is not a multiple of 32, run the tiled path

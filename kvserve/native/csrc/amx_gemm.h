@@ -27,8 +27,8 @@
 // Tile state: each thread of a call loads its own configuration and releases it at the end, so
 // oneDNN's and torch's AMX kernels, which configure the tiles at the start of their own calls,
 // find them as they would without this path.
-// Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): usable()
-// asks once; a refused request leaves the AVX512-BF16 kernel in use.
+// Whether the tiles may be used at all (the process's AMX permission, KVSERVE_TILED_AMX): usable(),
+// amx_state.h; where not, the AVX512-BF16 kernel runs.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -37,39 +37,18 @@
 #include <algorithm>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define KVS_AMX 1
 #include <immintrin.h>
 #include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#define KVS_AMX 0
 #endif
 
 namespace amx {
 
+#include "amx_state.h"
+
 #if KVS_AMX
-// Whether the tiles may be used: built with AMX, the kernel grants the state, and
-// KVSERVE_TILED_AMX is not 0/false/no/off (read once per process; the A/B switch).
-inline bool usable() {
-  static const bool ok = [] {
-    const char* env = std::getenv("KVSERVE_TILED_AMX");
-    if (env != nullptr && (!std::strcmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
-                           !strcasecmp(env, "off")))
-      return false;
-    constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
-  }();
-  return ok;
-}
-
 constexpr int64_t kChunkBytes = 1 << 20;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 #include "transpose16.h"
 
@@ -143,12 +122,7 @@ void gemm(const uint16_t* w, const uint16_t* x, O* y, const float* bias, int64_t
   }
   const int64_t chunk = std::max<int64_t>(2, kChunkBytes / (kp16 * 4) / 2 * 2);  // input blocks a chunk
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles();
     alignas(64) float c[4 * 256];
     std::unique_ptr<uint16_t[]> pad;  // the last panel's rows, zero-padded to 32, when n % 32 != 0
     for (int64_t q0 = 0; q0 < blocks; q0 += chunk) {
@@ -190,7 +164,6 @@ void gemm(const uint16_t* w, const uint16_t* x, O* y, const float* bias, int64_t
   });
 }
 #else
-inline bool usable() { return false; }
 template <typename O>
 void gemm(const uint16_t*, const uint16_t*, O*, const float*, int64_t, int64_t, int64_t) {}
 #endif

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,12 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSERVE_AVX2 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <cstdlib>
+#include <strings.h>  // for amx_state.h (amx_attention.h), included inside the namespace below
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -932,6 +939,15 @@ inline void softmax_rows(int64_t rows, int64_t g, const int64_t* qpos, int64_t w
   }
 }
 
+#include "amx_attention.h"  // the two products on AMX tiles (run_bf16dot<true>)
+
+// Calls that took the AMX products (amx_calls(): how tests tell which path ran, as the two give the
+// same bits).
+std::atomic<int64_t> amx_call_count{0};
+
+// Amx: the scores and the V sums on AMX tiles (amx_attention.h; the caller checks usable()), the
+// scores of a flush's tiles taken together when it flushes; else on vdpbf16ps, tile by tile.
+template <bool Amx>
 void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_start, const int64_t* q_len,
                  const int64_t* seq_len, const int64_t* window, const int64_t* tables, int64_t table_stride,
                  int64_t num_seqs, float scale, int64_t bs, int64_t kvh, const Side& ks, const Side& vs,
@@ -943,16 +959,20 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
   T* op = out.data_ptr<T>();
   const std::vector<int64_t> tile0 = query_tiles(q_len, num_seqs, q_tile);
   const int64_t tasks = tile0[num_seqs] * kvh;
+  if constexpr (Amx) amx_call_count.fetch_add(1, std::memory_order_relaxed);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = g * q_tile;
+    const int64_t max_rows = (g * q_tile + 15) / 16 * 16;  // the tiles' 16-row blocks (past the rows: unread)
     std::vector<float> O(max_rows * d), m(max_rows), l(max_rows), lv(max_rows * 16), S(max_rows * ss);
-    std::vector<uint32_t> Qw(max_rows * d / 2), Kw(d / 2 * KT), Pw(max_rows * ps);
+    std::vector<uint32_t> Qw(max_rows * d / 2), Kw(d / 2 * KT * (Amx ? KG : 1)), Pw(max_rows * ps);
     std::vector<uint16_t> Vw(KT * KG * d), stage(KT * d);
     std::vector<int64_t> qpos(max_rows);
     int64_t kpos[KG], ntl[KG], ng = 0;
     const uint16_t* row[KT];
     float ksc[KG][KT], vsc[KG][KT];
     const __m512 scv = _mm512_set1_ps(scale);
+#if KVS_AMX
+    if constexpr (Amx) configure_tiles();
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const Task tk = begin_task(task, tile0, kvh, g, heads, d, q_tile, qp, q_start, q_len, seq_len, window, scale,
                                  nullptr, qpos.data(), O.data(), m.data(), l.data());  // Q: its own bf16 words
@@ -964,7 +984,11 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
       std::fill(lv.begin(), lv.begin() + rows * 16, 0.f);
       // The online softmax over the ng tiles gathered (scores in S, value pairs in Vw), then O += P V.
       // The rows of one query token (g in a row) share its masks; l stays 16 lanes wide until the task ends.
+      const int64_t row_blocks = (rows + 15) / 16;
       auto flush = [&]() {
+#if KVS_AMX
+        if constexpr (Amx) amx_scores(Qw.data(), row_blocks, d, Kw.data(), ng, S.data(), ss);
+#endif
         __m512 kss[KG];
         for (int64_t t = 0; t < ng; ++t) kss[t] = _mm512_mul_ps(scv, _mm512_loadu_ps(ksc[t]));
         softmax_rows(rows, g, qpos.data(), w, kpos, ntl, ng, kss, S.data(), ss, Pw.data(), ps, m.data(), lv.data(),
@@ -973,14 +997,28 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
                        if (vs.kind != 0) p = _mm512_mul_ps(p, _mm512_loadu_ps(vsc[t]));
                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t * KT / 2), (__m256i)_mm512_cvtneps_pbh(p));
                      });
-        pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
+#if KVS_AMX
+        if constexpr (Amx) {
+          if (ng % 2 == 1) {  // the last 32-key chunk's second tile: no keys (P and V zero)
+            for (int64_t r = 0; r < row_blocks * 16; ++r) std::memset(Pw.data() + r * ps + ng * KT / 2, 0, KT * 2);
+            std::memset(Vw.data() + ng * KT * d, 0, KT * d * 2);
+          }
+          amx_values(Pw.data(), ps, reinterpret_cast<const uint32_t*>(Vw.data()), (ng + 1) / 2, row_blocks, d,
+                     O.data());
+        }
+#endif
+        if constexpr (!Amx) pv_word_rows(Pw.data(), ps, Vw.data(), ng * KT / 2, rows, d, O.data());
         ng = 0;
       };
       const int64_t* table = tables + s * table_stride;
       for_each_key_tile(table, lo, hi, bs, ks, vs, h, kvh, d, [&](int64_t b, int64_t kpos0, int64_t c0, int64_t nt) {
         bf16_rows(ks, shk, b, h, c0, nt, bs, kvh, d, stage.data(), row, ksc[ng]);
-        load_key_words(row, d, Kw.data());
-        qk_word_rows(Qw.data(), rows, d, Kw.data(), S.data() + ng * KT, ss);
+        if constexpr (Amx) {
+          load_key_words(row, d, Kw.data() + ng * (d / 2) * KT);  // the scores when the flush comes
+        } else {
+          load_key_words(row, d, Kw.data());
+          qk_word_rows(Qw.data(), rows, d, Kw.data(), S.data() + ng * KT, ss);
+        }
         bf16_rows(vs, shv, b, h, c0, nt, bs, kvh, d, stage.data(), row, vsc[ng]);
         load_value_pairs(row, d, Vw.data() + ng * KT * d);
         kpos[ng] = kpos0;
@@ -991,6 +1029,9 @@ void run_bf16dot(const torch::Tensor& q, torch::Tensor& out, const int64_t* q_st
       for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lv.data() + r * 16));
       end_task(tk, g, heads, d, q_start, O.data(), l.data(), op);
     }
+#if KVS_AMX
+    if constexpr (Amx) _tile_release();
+#endif
   });
 }
 #include "paged_int8.h"  // the int8-dot path (AVX512-VNNI)
@@ -1019,6 +1060,24 @@ bool bf16dot_available() {
 #endif
 }
 
+// Whether the bf16-dot path's products run on AMX tiles here (built with AMX and the process may
+// use them: amx_state.h); impl 4 turns them off per call.
+bool amx_available() {
+#ifdef KVSERVE_BF16DOT
+  return KVS_AMX && usable();
+#else
+  return false;
+#endif
+}
+
+int64_t amx_calls() {
+#ifdef KVSERVE_BF16DOT
+  return amx_call_count.load();
+#else
+  return 0;
+#endif
+}
+
 bool int8dot_available() {
 #ifdef KVSERVE_INT8DOT
   return true;
@@ -1043,7 +1102,8 @@ bool tiled_available() {
 // pool, both sides, no shadows, head_dim % 32 == 0 and <= 128), else bf16-dot (AVX512-BF16 builds:
 // bf16 q on the bf16 pool or the int8 / fp8 pools (a bf16 shadow allowed), head_dim % 32 == 0),
 // else tiled (AVX2 + FMA, head_dim % 8 == 0), else scalar; 1 scalar; 2 tiled where it exists
-// (never a dot path), else scalar; 3 as 0 without the int8-dot path.
+// (never a dot path), else scalar; 3 as 0 without the int8-dot path; 4 as 3 with the bf16-dot
+// path's products on vdpbf16ps even where AMX tiles are usable (amx_attention.h).
 void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor seq_len, torch::Tensor window, torch::Tensor tables, double scale,
                      int64_t block_size, int64_t kv_heads, torch::Tensor k_base, std::vector<int64_t> k_params,
@@ -1088,9 +1148,12 @@ void paged_attention(torch::Tensor q, torch::Tensor out, torch::Tensor q_start, 
 #endif
 #ifdef KVSERVE_BF16DOT
   auto bf16_side = [](const Side& x) { return x.kind == 0 || x.kind == 3 || x.kind == 4; };  // bf16, int8, fp8
-  if ((impl == 0 || impl == 3) && q.scalar_type() == at::kBFloat16 && bf16_side(ks) && bf16_side(vs) &&
+  if ((impl == 0 || impl == 3 || impl == 4) && q.scalar_type() == at::kBFloat16 && bf16_side(ks) && bf16_side(vs) &&
       (shadow.numel() == 0 || shk.kind == 0) && d % 32 == 0) {
-    run_bf16dot(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
+    if (KVS_AMX && impl != 4 && usable())
+      run_bf16dot<true>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
+    else
+      run_bf16dot<false>(q, out, qs, ql, sl, wn, tb, stride, num_seqs, sc, block_size, kv_heads, ks, vs, shk, shv, tile);
     return;
   }
 #endif
@@ -1123,6 +1186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_available", &tiled_available, "whether this build has the tiled (AVX2 + FMA) path");
   m.def("int8dot_available", &int8dot_available,
         "whether this build has the int8-dot path (AVX512-VNNI: bf16 queries on an int8 pool)");
+  m.def("amx_available", &amx_available, "whether the bf16-dot path's products run on AMX tiles (AMX-BF16)");
+  m.def("amx_calls", &amx_calls, "how many calls so far took the bf16-dot path's AMX products");
   m.def("bf16dot_available", &bf16dot_available,
         "whether this build has the bf16-dot path (AVX512-BF16: bf16 queries on the bf16, int8 or fp8 pool)");
 }
