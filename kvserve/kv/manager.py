@@ -44,6 +44,7 @@ from collections.abc import Callable
 from kvserve.contract.block_ops import BlockOp, CopyBlock
 from kvserve.kv.block_pool import BlockPool, PoolUsage
 from kvserve.kv.forgetting import Forgetting
+from kvserve.kv.hash_carry import HashCarry, ParkedHashes
 from kvserve.kv.hashing import BlockHash, hash_full_blocks, request_root, root_key
 from kvserve.kv.manager_records import NO_BLOCKS, BlockSource, ComputedBlocks, PrefixCacheStats, _Plan
 from kvserve.kv.miss_ledger import MissLedger, MissReasons
@@ -59,7 +60,7 @@ def default_root_key(block_size: int) -> BlockHash:
     return root_key("unnamed-model", "unnamed-codec", block_size)
 
 
-class KVCacheManager(Forgetting, MissReasons):
+class KVCacheManager(Forgetting, MissReasons, HashCarry):
     """Block tables over one :class:`BlockPool`, with prefix caching and sessions."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -92,6 +93,7 @@ class KVCacheManager(Forgetting, MissReasons):
         self.pool.subscribe(self.misses.on_event)
         self._content_root = request_root(self.root_key, "\x00content", "\x00content")
         self._contents: dict[str, list[BlockHash]] = {}
+        self._parked: dict[str, ParkedHashes] = {}  # session id -> its last turn's chains (hash_carry)
 
     # -- queries -----------------------------------------------------------------------------
     def block_table(self, request_id: str) -> list[int | None]:
@@ -128,12 +130,6 @@ class KVCacheManager(Forgetting, MissReasons):
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hashes(self, req: Request) -> list[BlockHash]:
-        root = request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
-        hashes = hash_full_blocks(req.all_token_ids, self.block_size, root, self._hashes.get(req.request_id))
-        self._hashes[req.request_id] = hashes
-        return hashes
-
     # -- the scheduler's calls ---------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
         """The longest reusable KV prefix of ``req``. At least one token is always left to compute,
@@ -144,6 +140,7 @@ class KVCacheManager(Forgetting, MissReasons):
         if (session is not None and session.resident and session.num_computed <= limit
                 and session.cache_salt == req.cache_salt  # another tenant's KV: the salted cache
                 and self._holes_allowed(req, session.blocks, session.num_computed)):
+            self._seed_from_session(req, session)
             return ComputedBlocks(tuple(session.blocks), session.num_computed, BlockSource.SESSION)
         lead_table = self._tables.get(req.leader.request_id) if req.leader else None
         if lead_table and req.leader is not None and req.leader.num_computed_tokens >= req.num_prompt_tokens:
@@ -229,17 +226,18 @@ class KVCacheManager(Forgetting, MissReasons):
 
     def _take(self, req: Request, computed: ComputedBlocks) -> None:
         """Take the references of a hit: a session's blocks move over; others gain a reference."""
-        first_admission = req.request_id not in self._tables
+        first_admission, carried = req.request_id not in self._tables, 0
         if computed.source is BlockSource.SESSION:
             session = self.sessions.get(req.session_id or "")
             assert session is not None
+            carried = self._carried_cached(req, session)
             self.sessions.take_blocks(session)
         else:
             self.pool.touch([b for b in computed.blocks if b is not None])
             if computed.source is BlockSource.PREFIX:
                 self.pins.refresh_hits(b for b in computed.blocks if b is not None)
         if first_admission:
-            self._num_cached[req.request_id] = len(computed.blocks) if computed.source is BlockSource.PREFIX else 0
+            self._num_cached[req.request_id] = len(computed.blocks) if computed.source is BlockSource.PREFIX else carried
             if self.enable_prefix_caching:
                 self.stats.queries += req.num_tokens
                 self.stats.hits += computed.num_tokens
@@ -269,13 +267,13 @@ class KVCacheManager(Forgetting, MissReasons):
         done = self._num_cached.get(req.request_id, 0)
         if full <= done:
             return
-        hashes = self._block_hashes(req)
+        hashes, contents = self._block_hashes(req), self._content_hashes(req)
         for i in range(done, full):
             b = table[i]
             if b is None:  # dropped before it was cached (a policy that ran first): nothing to find
                 continue
             self.pool.cache(b, hashes[i])
-            self.misses.cached(self._content_hashes(req)[i], hashes[i], req.cache_salt, req.kv_cache_dtype)
+            self.misses.cached(contents[i], hashes[i], req.cache_salt, req.kv_cache_dtype)
             if self.tiers and self.pool.block_hash(b) == hashes[i]:
                 parent = hashes[i - 1] if i else request_root(self.root_key, req.kv_cache_dtype, req.cache_salt)
                 op = self.tiers.save_op(b, hashes[i], parent)
@@ -316,7 +314,7 @@ class KVCacheManager(Forgetting, MissReasons):
         session (pinned); otherwise every block is returned, tail first, so later blocks are
         evicted before earlier ones."""
         table = self._tables.pop(req.request_id, [])
-        self._num_cached.pop(req.request_id, None)
+        num_cached = self._num_cached.pop(req.request_id, 0)
         self._lossy_from.pop(req.request_id, None)  # a preempted request recomputes with all its KV
         self._scores.pop(req.request_id, None)
         session = self.sessions.get(req.session_id) if req.session_id else None
@@ -327,6 +325,7 @@ class KVCacheManager(Forgetting, MissReasons):
             if session.blocks:  # a turn under another salt did not take the session's old blocks
                 self.release_session(session)
             self.sessions.end_turn(session, table, req.num_computed_tokens, req.all_token_ids, req.cache_salt)
+            self._park_hashes(req, session, num_cached)
         else:
             self._free_held(table)
             if session is not None and req.status.finished:
@@ -347,12 +346,13 @@ class KVCacheManager(Forgetting, MissReasons):
         if new; a tenant over its session cap forgets its least recently used idle session)."""
         session, forgotten = self.sessions.begin_turn(session_id, turn_start, tenant)
         for old in forgotten:
-            self._free_held(self.sessions.drop_blocks(old))
+            self.release_session(old)
         return session
 
     def release_session(self, session: Session, evicted: bool = False, expired: bool = False) -> None:
         """Give a session's blocks back (its full blocks stay findable in the prefix cache)."""
         self._free_held(self.sessions.drop_blocks(session))
+        self._forget_parked(session.session_id)
         self.sessions.stats.evicted += evicted
         self.sessions.stats.expired += expired
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.kv.events import BlockRemoved, CacheEvent
-from kvserve.kv.hashing import BlockHash, hash_full_blocks
+from kvserve.kv.hashing import BlockHash
 
 if TYPE_CHECKING:
     from kvserve.kv.block_pool import BlockPool
@@ -111,19 +111,11 @@ class MissReasons:
     enable_prefix_caching: bool
     pool: BlockPool
     misses: MissLedger
-    _content_root: BlockHash
-    _contents: dict[str, list[BlockHash]]
 
     if TYPE_CHECKING:
-        def _block_hashes(self, req: Request) -> list[BlockHash]: ...  # the manager's
+        def _block_hashes(self, req: Request) -> list[BlockHash]: ...  # kvserve.kv.hash_carry's
+        def _content_hashes(self, req: Request) -> list[BlockHash]: ...  # kvserve.kv.hash_carry's
         def canonical_tokens(self, req: Request) -> int | None: ...  # the forgetting mixin's
-
-    def _content_hashes(self, req: Request) -> list[BlockHash]:
-        """Chained hashes of the request's full blocks' tokens alone (no salt, no codec)."""
-        out = hash_full_blocks(req.all_token_ids, self.block_size, self._content_root,
-                               self._contents.get(req.request_id))
-        self._contents[req.request_id] = out
-        return out
 
     def miss_reasons(self, req: Request, computed: ComputedBlocks) -> dict[str, int]:
         """Why ``req``'s tokens after ``computed`` were not found (:mod:`kvserve.kv.miss_ledger`);

@@ -22,9 +22,10 @@ class Clock:
         return self.t
 
 
-def turn(kv: KVCacheManager, rid: str, tokens: list[int], session: str, generated: list[int]) -> Request:
+def turn(kv: KVCacheManager, rid: str, tokens: list[int], session: str, generated: list[int],
+         salt: str | None = None) -> Request:
     """Admit, prefill and decode ``generated`` tokens by hand, checking invariants each mutation."""
-    req = Request(rid, list(tokens), SamplingParams(max_tokens=len(generated)), session_id=session)
+    req = Request(rid, list(tokens), SamplingParams(max_tokens=len(generated)), session_id=session, cache_salt=salt)
     computed = kv.get_computed_blocks(req)
     assert kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed)
     kv.check()
