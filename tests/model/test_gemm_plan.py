@@ -526,3 +526,77 @@ def test_with_amx_tiles_every_role_keeps_the_loaded_tensor_and_no_copy(monkeypat
         for role in ROLES:
             assert {storage_of(p) for p in plan.paths[role]} == {"loaded"}
             assert plan.paths[role][:4] == ("kvserve_tiled",) * 4
+
+
+# Session 23, Zen 4 (AMD EPYC, avx512_bf16, no AMX), the 0.5B shape: a start-up measurement whose
+# 16-row tiled MLP came out 1.47x oneDNN's copy, and the same role timed again minutes later.
+ZEN4_OUTLIER = {
+    "qkv": [(141, 120, 155, 82, 119), (202, 380, 292, 126, 153), (461, 1391, 2143, 392, 376),
+            (587, 2042, 2019, 563, 514), (1256, 5142, 5148, 3487, 1238)],
+    "o": [(108, 92, 125, 51, 82), (165, 309, 245, 89, 114), (334, 1063, 1707, 292, 292),
+          (484, 1623, 1588, 424, 410), (955, 4013, 4243, 2309, 954)],
+    "mlp": [(1288, 1176, 1020, 882, 989), (2349, 4621, 4083, 2355, 1603), (5233, 16931, 9470, 4536, 4570),
+            (7556, 24660, 13100, 7595, 6571), (18488, 72725, 40460, 42161, 17984)],
+    "lm_head": [(14788, 9996, 8666, 7836, 11407), (23444, 49948, 27143, 13307, 15070),
+                (64345, 178673, 97784, 44612, 48961), (85164, 261111, 158359, 68381, 69772),
+                (189587, 763728, 394252, 416939, 177955)]}
+ZEN4_MLP_AGAIN = [(1463, 858, 997, 796, 872), (2121, 4614, 2914, 1460, 1616), (5407, 16863, 9347, 4562, 4623),
+                  (7226, 25321, 13579, 6863, 6527), (18459, 77575, 41741, 42933, 18081)]
+
+
+def _measure_in_turn(*tables: dict[str, list[tuple[int, ...]]]) -> Callable[..., dict[str, list[dict[str, float]]]]:
+    """A fake ``measure`` answering its n-th call from ``tables[n]`` (the last one repeats), for the
+    roles asked; ``calls`` records which roles each call was asked for."""
+    calls: list[tuple[str, ...]] = []
+
+    def measure(roles: tuple[RoleShape, ...], paths: tuple[str, ...], dtype: torch.dtype,
+                timer: object = None) -> dict[str, list[dict[str, float]]]:
+        table = _recorded(tables[min(len(calls), len(tables) - 1)])[0]
+        calls.append(tuple(r.role for r in roles))
+        return {r.role: [{p: b[p] for p in paths if p in b} for b in table[r.role]] for r in roles}
+
+    measure.calls = calls  # type: ignore[attr-defined]
+    return measure
+
+
+def _all_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_plan, "candidate_paths", lambda: RECORDED_PATHS)
+    monkeypatch.setenv("KVSERVE_GEMM_EXTRA_MIB", "")
+
+
+def test_a_plan_that_takes_decode_off_the_loaded_tensor_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outlier alone puts the MLP on oneDNN's copy in every band (decode off the layer loop);
+    measured again, each timing the least of the two, the MLP stays on the loaded tensor and one-row
+    steps on the tiled kernel. Only the contested role is measured again, and the cache keeps the
+    confirmed timings."""
+    timings, role_bytes, counts = _recorded(ZEN4_OUTLIER)
+    assert decide(timings, role_bytes, gemm_plan.EXTRA_BYTES_DEFAULT, "measured", counts).paths["mlp"] == \
+        ("onednn_packed",) * 5
+    _all_paths(monkeypatch)
+    measure = _measure_in_turn(ZEN4_OUTLIER, {**ZEN4_OUTLIER, "mlp": ZEN4_MLP_AGAIN})
+    monkeypatch.setattr(gemm_plan, "measure", measure)
+    plan = plan_for(BIG, torch.bfloat16)
+    assert measure.calls == [("qkv", "o", "mlp", "lm_head"), ("mlp",)]  # type: ignore[attr-defined]
+    for role in gemm_plan.LAYER_ROLES:
+        assert plan.paths[role][0] == "kvserve_tiled" and storage_of(plan.paths[role][1]) == "loaded"
+    assert plan.timings_us["mlp"][1]["kvserve_tiled"] == 1460 and plan.timings_us["mlp"][0]["onednn_packed"] == 872
+    assert plan_for(BIG, torch.bfloat16).paths == plan.paths  # from the cache, no third measurement
+    assert len(measure.calls) == 2  # type: ignore[attr-defined]
+
+
+def test_a_real_trade_survives_the_second_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the loaded tensor really is 1.47x slower in a band (the AMX Xeon's recorded MLP, the
+    same both times), the second measurement changes nothing; a plan that keeps decode on the
+    loaded tensor is not measured again."""
+    _all_paths(monkeypatch)
+    measure = _measure_in_turn(AMX_XEON)
+    monkeypatch.setattr(gemm_plan, "measure", measure)
+    plan = plan_for(BIG, torch.bfloat16)
+    assert plan.paths["mlp"] == ("onednn_packed",) * 5
+    assert measure.calls[0] == ("qkv", "o", "mlp", "lm_head") and len(measure.calls) == 2  # type: ignore[attr-defined]
+    assert "mlp" in measure.calls[1]  # type: ignore[attr-defined]
+    monkeypatch.setenv("KVSERVE_RETUNE_KERNELS", "1")
+    tiles = _measure_in_turn(AMX_TILES)
+    monkeypatch.setattr(gemm_plan, "measure", tiles)
+    plan_for(BIG, torch.bfloat16)
+    assert tiles.calls == [("qkv", "o", "mlp", "lm_head")]  # type: ignore[attr-defined]
