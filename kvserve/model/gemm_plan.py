@@ -76,7 +76,7 @@ reads the embedding itself, and on the session-12 Zen 4 EPYC two timings of one 
 apart, put the 0.5B shape's MLP once on it (worst band 1.05x) and once on oneDNN's copy (loaded
 1.66x at 256 rows against oneDNN's 1.60x at one row): a coin toss that decided every decode step."""
 HALF_NATIVE_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
-CACHE_VERSION = 4  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set); 3: the 64-row band; 4: the 128-row band
+CACHE_VERSION = 5  # 2: one-row timings past the last-level cache (gemm_tune.decode_working_set); 3: the 64-row band; 4: the 128-row band; 5: timings confirmed (_confirmed), so a plan cached from one noisy measurement is measured again
 
 
 @dataclass(frozen=True)
