@@ -9,6 +9,8 @@ Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), me
   AVX512-VNNI, else the bf16-dot path where it has AVX512-BF16, else the tiled one);
 * ``no_int8dot``: the kernel with the int8-dot path off (IMPL 3: the bf16-dot path on the int8
   pool; on a bf16 pool the same as ``kernel``), timed alternately with ``kernel``;
+* ``no_amx``: where the bf16-dot path's products run on AMX tiles (``amx_available()``), the kernel
+  with them on ``vdpbf16ps`` instead (IMPL 4), timed alternately with ``kernel``;
 * ``torch``: the torch path's read (gather/decode + SDPA, ``attention.attend_written``);
 * with ``--rev REV``: ``kernel@REV``, the kernel as it was at git revision REV, built beside the
   working tree's (``benchmarks/revision_build.py``) and timed alternately with ``kernel``, so the
@@ -137,7 +139,9 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple
                 attention_native.IMPL = impl
                 attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5)
             return run
-        res.update(alternating_us({"kernel": with_impl(0), "no_int8dot": with_impl(3)}, repeats))
+        amx = getattr(mod, "amx_available", lambda: False)()
+        res.update(alternating_us({"kernel": with_impl(0), "no_int8dot": with_impl(3),
+                                   **({"no_amx": with_impl(4)} if amx else {})}, repeats))
         attention_native.IMPL = 0
         if old is not None:
             res.update(alternating_us({
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         old = (a.rev, build_revision(a.rev, "kvserve/native/csrc/paged_attention.cpp"))
     results: dict[str, dict[str, dict[str, float]]] = {}
     rev_col = (f"  kernel@{a.rev}" if a.rev else "") + ("  kernel_4k" if a.pool_pages else "")
-    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'no_i8dot':>9} {'torch':>9}{rev_col}   (µs; "
+    print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'no_i8dot':>9} {'no_amx':>9} {'torch':>9}{rev_col}   (µs; "
           f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
                   f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} "
-                  f"{r.get('no_int8dot', float('nan')):>9.0f} {r['torch']:>9.0f}"
+                  f"{r.get('no_int8dot', float('nan')):>9.0f} {r.get('no_amx', float('nan')):>9.0f} {r['torch']:>9.0f}"
                   + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else "")
                   + (f"  {r.get('kernel_4k', float('nan')):>9.0f}" if a.pool_pages else ""),
                   flush=True)
