@@ -15,6 +15,8 @@ Per codec (bf16 pool, int8 pool) and shape (sequences x context, new tokens), me
 * with ``--rev REV``: ``kernel@REV``, the kernel as it was at git revision REV, built beside the
   working tree's (``benchmarks/revision_build.py``) and timed alternately with ``kernel``, so the
   two columns share the host's drift (their ratio is the A/B);
+* with ``--q-tiles 4,8,16,32``: ``q_tileN``, the kernel with ``attention_native.Q_TILE`` = N (query
+  tokens per task), the tiles timed alternately;
 * with ``--pool-pages``: ``kernel_4k``, the kernel on a copy of the case whose pool is on 4 KiB
   pages (kvserve's pool is on transparent huge pages where it may be,
   ``kvserve.model.huge_pages``), timed alternately with ``kernel``.
@@ -118,7 +120,7 @@ def alternating_us(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
 
 
 def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple[str, Any] | None = None,
-            pool_pages: bool = False) -> dict[str, float]:
+            pool_pages: bool = False, q_tiles: tuple[int, ...] = ()) -> dict[str, float]:
     seqs, rest = shape.split("x")
     ctx, new = (int(x) for x in rest.split("+"))
     c = case(codec, int(seqs), ctx, new, dtype)
@@ -148,6 +150,15 @@ def measure(codec: str, shape: str, repeats: int, dtype: torch.dtype, old: tuple
                 "kernel": lambda: attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5),
                 f"kernel@{old[0]}": lambda: attention_native.run_kernel(old[1], q, out, plan, src, BS, KVH, D ** -0.5)},
                 2 * repeats + 1))
+        if q_tiles:
+            def with_tile(t: int) -> Callable[[], None]:
+                def run() -> None:
+                    attention_native.Q_TILE = t
+                    attention_native.run_kernel(mod, q, out, plan, src, BS, KVH, D ** -0.5)
+                return run
+            default_tile = attention_native.Q_TILE
+            res.update(alternating_us({f"q_tile{t}": with_tile(t) for t in q_tiles}, 2 * repeats + 1))
+            attention_native.Q_TILE = default_tile
         if pool_pages:
             c4 = case(codec, int(seqs), ctx, new, dtype, small_pages=True)
             src4, q4, out4 = attention_native.kv_source(c4["layer"]), c4["q"], torch.empty_like(q)
@@ -175,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-pages", action="store_true",
                     help="also time the kernel on a pool on 4 KiB pages (kernel_4k), alternately with kernel")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "paged_kernel.json")
+    ap.add_argument("--q-tiles", default="", help="also time the kernel at these query tiles (e.g. 4,8,16,32: "
+                    "attention_native.Q_TILE, alternating; columns q_tileN)")
     a = ap.parse_args(argv)
+    q_tiles = tuple(int(t) for t in a.q_tiles.split(",") if t.strip())
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
     from kvserve.bench.machine import cpu_info
 
@@ -189,19 +203,21 @@ def main(argv: list[str] | None = None) -> None:
 
         old = (a.rev, build_revision(a.rev, "kvserve/native/csrc/paged_attention.cpp"))
     results: dict[str, dict[str, dict[str, float]]] = {}
-    rev_col = (f"  kernel@{a.rev}" if a.rev else "") + ("  kernel_4k" if a.pool_pages else "")
+    rev_col = (f"  kernel@{a.rev}" if a.rev else "") + ("  kernel_4k" if a.pool_pages else "") + \
+        "".join(f"  {'q_tile' + str(t):>9}" for t in q_tiles)
     print(f"{'codec':<6} {'shape':<12} {'write':>8} {'scalar':>9} {'tiled':>9} {'kernel':>9} {'no_i8dot':>9} {'no_amx':>9} {'torch':>9}{rev_col}   (µs; "
           f"{H} heads, {KVH} KV heads, head_dim {D})")
     for codec in codecs:
         results[codec] = {}
         for shape in a.shapes.split(","):
-            r = measure(codec, shape, a.repeats, torch.bfloat16, old, a.pool_pages)
+            r = measure(codec, shape, a.repeats, torch.bfloat16, old, a.pool_pages, q_tiles)
             results[codec][shape] = r
             print(f"{codec:<6} {shape:<12} {r['write']:>8.0f} {r.get('scalar', float('nan')):>9.0f} "
                   f"{r.get('tiled', float('nan')):>9.0f} {r.get('kernel', float('nan')):>9.0f} "
                   f"{r.get('no_int8dot', float('nan')):>9.0f} {r.get('no_amx', float('nan')):>9.0f} {r['torch']:>9.0f}"
                   + (f"  {r.get(f'kernel@{a.rev}', float('nan')):>9.0f}" if a.rev else "")
-                  + (f"  {r.get('kernel_4k', float('nan')):>9.0f}" if a.pool_pages else ""),
+                  + (f"  {r.get('kernel_4k', float('nan')):>9.0f}" if a.pool_pages else "")
+                  + "".join(f"  {r.get(f'q_tile{t}', float('nan')):>9.0f}" for t in q_tiles),
                   flush=True)
     doc = {"cpu": cpu, "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "shape": {"heads": H, "kv_heads": KVH, "head_dim": D,
            "block_size": BS, "dtype": "bfloat16"}, "results": results}
