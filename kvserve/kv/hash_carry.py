@@ -6,8 +6,8 @@ Each request's full blocks are hashed twice (the salted chain that the prefix ca
 by, and the miss ledger's content chain: :mod:`kvserve.kv.hashing`), lazily and extended as its
 tokens grow; ``cache_blocks`` makes the blocks past ``_num_cached`` findable. A session's next
 turn is a new request over the same history. Without a carry it hashed the whole history again
-and walked every block of it through ``cache_blocks`` (O(history) Python on each turn: 1.6 ms of
-turn 37's first step on the embedded model, 3,500 tokens of history). So a turn that parks its
+and walked every block of it through ``cache_blocks`` (O(history) Python on each turn: 1.9 ms of
+manager calls in turn 37's first step, 3,500 tokens of history: benchmarks/session_bookkeeping.py). So a turn that parks its
 blocks in its session also parks its hash chains and how many blocks it made findable, and the
 next turn that takes those blocks takes them too: a turn's bookkeeping is O(its new tokens).
 
