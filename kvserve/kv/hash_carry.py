@@ -6,10 +6,11 @@ Each request's full blocks are hashed twice (the salted chain that the prefix ca
 by, and the miss ledger's content chain: :mod:`kvserve.kv.hashing`), lazily and extended as its
 tokens grow; ``cache_blocks`` makes the blocks past ``_num_cached`` findable. A session's next
 turn is a new request over the same history. Without a carry it hashed the whole history again
-and walked every block of it through ``cache_blocks`` (O(history) Python on each turn: 1.9 ms of
-manager calls in turn 37's first step, 3,500 tokens of history: benchmarks/session_bookkeeping.py). So a turn that parks its
-blocks in its session also parks its hash chains and how many blocks it made findable, and the
-next turn that takes those blocks takes them too: a turn's bookkeeping is O(its new tokens).
+and walked every block of it through ``cache_blocks``: O(history) Python on each turn, 1.9 ms of
+manager calls in turn 37's first step at 3,500 tokens of history (benchmarks/session_bookkeeping.py).
+So a turn that parks its blocks in its session also parks its hash chains and how many blocks it
+made findable, and the next turn that takes those blocks takes them too: a turn's bookkeeping is
+O(its new tokens).
 
 Invariant: a parked entry is used only while the session still holds the very block list the
 turn parked (list identity: a release, eviction, truncation, import or another turn replaces the
